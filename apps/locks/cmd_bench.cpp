@@ -1,0 +1,239 @@
+// `locks bench`: decode-attention time of dense vs LOCKS at long context (one layer, synthetic
+// f16 KV), summary build throughput, and the reference model's prefill / decode speed.
+// Ratios come from one process, alternating the two paths, medians of repeated runs, with the
+// CPU caches flushed before every timed run so neither side is helped by the other's reads.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <vector>
+
+#include <fmt/format.h>
+#include <omp.h>
+
+#include "commands.h"
+#include "locks/attention.h"
+#include "locks/generate.h"
+#include "locks/model.h"
+#include "locks/paths.h"
+#include "locks/selector.h"
+#include "locks/session.h"
+
+namespace locks::cli {
+
+namespace {
+
+struct BenchArgs {
+  std::vector<int> contexts = {16384, 65536, 262144};
+  int n_head_kv = 2;
+  int n_group = 4;
+  int head_dim = 64;
+  int budget = 512;
+  int runs = 15;
+  bool skip_model = false;
+  bool skip_attention = false;
+  std::string model;
+  int threads = 0;
+};
+
+using Clock = std::chrono::steady_clock;
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Evict the caches (larger than any LLC here) so each timed step reads KV from DRAM.
+void flush_caches() {
+  static std::vector<char> junk(size_t(256) << 20, 1);
+  volatile char sink = 0;
+  for (size_t i = 0; i < junk.size(); i += 64) junk[i] = char(junk[i] + 1);
+  sink = junk[12345];
+  (void)sink;
+}
+
+// Keys with the structure real pages have: a slowly drifting direction per page plus noise, so
+// summaries see realistic (not white) spectra. Values are noise.
+void fill_cache(PagedKvCache& cache, KvSequence& seq, int n_tokens, uint64_t seed) {
+  const auto& c = cache.config();
+  const int H = c.n_head_kv, d = c.head_dim;
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  cache.append_tokens(seq, n_tokens);
+  std::vector<float> k(size_t(H) * d), v(size_t(H) * d), base(size_t(H) * d);
+  for (int t = 0; t < n_tokens; ++t) {
+    if (t % c.page_size == 0)
+      for (auto& x : base) x = 2.0f * nd(rng);
+    for (int i = 0; i < H * d; ++i) {
+      k[i] = base[i] + 0.5f * nd(rng);
+      v[i] = nd(rng);
+    }
+    cache.write(0, seq, t, k.data(), v.data());
+  }
+}
+
+void bench_attention(const BenchArgs& a) {
+  const int H = a.n_head_kv, G = a.n_group, d = a.head_dim, B = 16;
+  fmt::print("== decode attention, one layer: {} KV heads x {} query heads (G={}), head_dim {}, f16 KV, "
+             "LOCKS budget {} tokens (r=8, int4 basis), {} threads, median of {} runs ==\n",
+             H, H * G, G, d, a.budget, omp_get_max_threads(), a.runs);
+  fmt::print("{:>8} | {:>12} {:>12} {:>7} | {:>10} {:>10} {:>7} | {:>12}\n", "context", "dense us", "locks us",
+             "speedup", "dense KiB", "locks KiB", "fewer", "build pg/s");
+  for (int ctx : a.contexts) {
+    KvCacheConfig cfg;
+    cfg.n_layer = 1;
+    cfg.n_head_kv = H;
+    cfg.head_dim = d;
+    cfg.n_pages = (ctx + B - 1) / B;
+    PagedKvCache cache(cfg);
+    KvSequence seq;
+    fill_cache(cache, seq, ctx, 42);
+    auto locks = make_selector("locks", cfg);
+    const auto tb = Clock::now();
+    std::vector<int32_t> full_pages(seq.page_table.begin(), seq.page_table.begin() + ctx / B);
+    locks->on_pages_filled(cache, 0, full_pages);
+    const double build_s = std::chrono::duration<double>(Clock::now() - tb).count();
+
+    std::mt19937_64 rng(7);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::vector<float> q(size_t(H) * G * d), o(q.size());
+    for (auto& x : q) x = nd(rng);
+    const float scale = 1.0f / std::sqrt(float(d));
+    std::vector<int32_t> all(seq.n_pages());
+    for (int j = 0; j < seq.n_pages(); ++j) all[j] = j;
+
+    double dense_bytes = 0, locks_bytes = 0;
+    auto dense_step = [&] {
+#pragma omp parallel for schedule(static)
+      for (int h = 0; h < H; ++h)
+        paged_decode_attention(cache, 0, h, seq, all, &q[size_t(h) * G * d], G, scale, &o[size_t(h) * G * d], nullptr);
+      dense_bytes = double(H) * cache.kv_bytes(ctx);
+    };
+    std::vector<Selection> sel(H);
+    auto locks_step = [&] {
+#pragma omp parallel for schedule(static)
+      for (int h = 0; h < H; ++h) {
+        SelectionRequest req;
+        req.q = &q[size_t(h) * G * d];
+        req.n_group = G;
+        req.kv_head = h;
+        req.seq = &seq;
+        req.budget_pages = a.budget / B;
+        locks->select(cache, req, sel[h]);
+        paged_decode_attention(cache, 0, h, seq, sel[h].pages, req.q, G, scale, &o[size_t(h) * G * d], nullptr);
+      }
+      locks_bytes = 0;
+      for (int h = 0; h < H; ++h) {
+        locks_bytes += double(sel[h].bytes_read);
+        for (int32_t j : sel[h].pages)
+          locks_bytes += double(cache.kv_bytes(j == seq.n_pages() - 1 ? seq.n_tokens - j * B : B));
+      }
+    };
+    std::vector<double> td, tl;
+    for (int r = -2; r < a.runs; ++r) {  // two warm-up rounds, then alternate
+      flush_caches();
+      auto t0 = Clock::now();
+      dense_step();
+      const double dt = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+      flush_caches();
+      t0 = Clock::now();
+      locks_step();
+      const double lt = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+      if (r >= 0) {
+        td.push_back(dt);
+        tl.push_back(lt);
+      }
+    }
+    const double md = median(td), ml = median(tl);
+    fmt::print("{:>8} | {:>12.1f} {:>12.1f} {:>6.2f}x | {:>10.1f} {:>10.1f} {:>6.2f}x | {:>12.0f}\n", ctx, md, ml, md / ml,
+               dense_bytes / 1024, locks_bytes / 1024, dense_bytes / locks_bytes,
+               double(full_pages.size()) * H / build_s);
+    std::fflush(stdout);
+  }
+}
+
+std::vector<int32_t> haystack_tokens(const LlamaModel& model, int n) {
+  const std::string path = resolve_default_path("examples/haystack.txt");
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error(fmt::format("cannot open '{}'", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  std::vector<int32_t> ids = model.tokenizer.encode(ss.str(), true);
+  if (int(ids.size()) < n)
+    throw std::runtime_error(fmt::format("'{}' has {} tokens, the benchmark needs {}", path, ids.size(), n));
+  ids.resize(n);
+  return ids;
+}
+
+void bench_model(const BenchArgs& a) {
+  const LlamaModel model = LlamaModel::load(a.model.empty() ? default_model_path() : a.model);
+  fmt::print("== model {} ({} layers, d_model {}, {} heads / {} KV heads), {} threads ==\n", model.name,
+             model.hp.n_layer, model.hp.n_embd, model.hp.n_head, model.hp.n_head_kv, omp_get_max_threads());
+  {
+    const auto ids = haystack_tokens(model, 4096);
+    SessionConfig sc;
+    Session s(model, sc);
+    const auto t0 = Clock::now();
+    s.prefill(ids);
+    const double sec = std::chrono::duration<double>(Clock::now() - t0).count();
+    fmt::print("prefill 4096 tokens: {:.2f} s, {:.0f} tokens/s\n", sec, 4096 / sec);
+  }
+  const int ctx = std::min(16384 - 64, model.hp.n_ctx_train - 64);
+  const auto ids = haystack_tokens(model, ctx);
+  SessionConfig sc;
+  Session base(model, sc);
+  const auto t0 = Clock::now();
+  base.prefill(ids);
+  fmt::print("prefill {} tokens: {:.2f} s\n", ctx, std::chrono::duration<double>(Clock::now() - t0).count());
+  for (const char* name : {"full", "locks"}) {
+    SessionConfig fc;
+    fc.selector = name;
+    fc.budget_tokens = a.budget;
+    Session s = base.fork(fc);
+    int32_t tok = argmax(s.decode(ids.back()));  // first step (warm-up) is excluded below
+    const DecodeTotals warm = s.totals();
+    for (int i = 0; i < 32; ++i) tok = argmax(s.decode(tok));
+    DecodeTotals t = s.totals();
+    t.steps -= warm.steps;
+    t.seconds -= warm.seconds;
+    t.bytes_read -= warm.bytes_read;
+    t.dense_bytes -= warm.dense_bytes;
+    t.select_seconds -= warm.select_seconds;
+    t.attend_seconds -= warm.attend_seconds;
+    fmt::print("decode at {} context, {:>5} (budget {}): {:.1f} tokens/s, attention read/step {:.0f} KiB "
+               "(dense {:.0f} KiB), select {:.2f} ms + attend {:.2f} ms per step\n",
+               ctx, name, a.budget, t.steps / t.seconds, t.bytes_read / t.steps / 1024, t.dense_bytes / t.steps / 1024,
+               1e3 * t.select_seconds / t.steps, 1e3 * t.attend_seconds / t.steps);
+  }
+}
+
+}  // namespace
+
+Runner add_bench(CLI::App& app) {
+  auto a = std::make_shared<BenchArgs>();
+  app.add_option("--contexts", a->contexts, "context lengths in tokens for the attention benchmark")
+      ->check(CLI::Range(32, 1 << 24));
+  app.add_option("--kv-heads", a->n_head_kv, "KV heads")->check(CLI::Range(1, 64));
+  app.add_option("--group", a->n_group, "query heads per KV head (G)")->check(CLI::Range(1, 64));
+  app.add_option("--head-dim", a->head_dim, "head dimension (multiple of 8, <= 256)")->check(CLI::Range(8, 256));
+  app.add_option("-b,--budget", a->budget, "LOCKS budget in tokens (multiple of 16)")->check(CLI::Range(32, 1 << 24));
+  app.add_option("--runs", a->runs, "timed runs per context (median reported)")->check(CLI::Range(1, 10000));
+  app.add_option("-m,--model", a->model, "GGUF model for the engine benchmark");
+  app.add_flag("--skip-model", a->skip_model, "only the attention benchmark");
+  app.add_flag("--skip-attention", a->skip_attention, "only the engine benchmark");
+  app.add_option("--threads", a->threads, "CPU threads (default: all cores)")->check(CLI::Range(1, 1024));
+  return [a] {
+    if (a->budget % 16 != 0) throw CLI::ValidationError("--budget", "must be a multiple of 16");
+    if (a->head_dim % 8 != 0) throw CLI::ValidationError("--head-dim", "must be a multiple of 8");
+    if (a->threads > 0) omp_set_num_threads(a->threads);
+    if (!a->skip_attention) bench_attention(*a);
+    if (!a->skip_model) bench_model(*a);
+    return 0;
+  };
+}
+
+}  // namespace locks::cli

@@ -1,0 +1,48 @@
+// `locks`: run | eval | bench. Errors become one line on stderr and a non-zero exit code
+// (2 for bad command-line usage, 1 for failures while running).
+#include <cstdio>
+#include <exception>
+#include <map>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "commands.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"locks: LOCKS sparse decode attention (page-local compact key summaries) on a CPU Llama engine",
+               "locks"};
+  app.require_subcommand(0, 1);
+  std::map<CLI::App*, locks::cli::Runner> runners;
+  auto add = [&](const char* name, const char* desc, locks::cli::Runner (*fn)(CLI::App&)) {
+    CLI::App* sub = app.add_subcommand(name, desc);
+    runners[sub] = fn(*sub);
+  };
+  add("run", "generate text with a selector (default when no subcommand is given)", locks::cli::add_run);
+  add("bench", "decode-attention and engine speed benchmarks", locks::cli::add_bench);
+  // add("eval", "needle-retrieval accuracy of selectors on real held-out text", locks::cli::add_eval);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);  // prints the help of the (sub)command asked about
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    fmt::print(stderr, "locks: error: {}\n", e.what());
+    return 2;
+  }
+  try {
+    for (auto& [sub, run] : runners)
+      if (sub->parsed()) return run();
+    // No subcommand: the main job, `locks run` on its embedded defaults.
+    CLI::App* run_app = app.get_subcommand("run");
+    run_app->parse(std::vector<std::string>{});
+    return runners[run_app]();
+  } catch (const CLI::ParseError& e) {
+    fmt::print(stderr, "locks: error: {}\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "locks: error: {}\n", e.what());
+    return 1;
+  }
+}

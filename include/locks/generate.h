@@ -1,0 +1,36 @@
+// The generation loop of `locks run`: prefill (dense), optional decode tail, then sampling.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "locks/sampler.h"
+#include "locks/session.h"
+
+namespace locks {
+
+struct GenerateOptions {
+  int max_tokens = 32;       // tokens to generate after the prompt
+  int decode_tail = 0;       // last N prompt tokens go through decode (selection runs on them)
+  bool stop_at_eos = true;
+  SamplerConfig sampler;
+};
+
+struct GenerateResult {
+  std::vector<int32_t> prompt_ids;
+  std::vector<int32_t> generated_ids;
+  std::string text;              // detokenized generated_ids
+  int prefill_tokens = 0;
+  double prefill_seconds = 0;
+  DecodeTotals decode;           // over the decode tail and the generated tokens
+};
+
+/// Run the prompt through `session` (fresh) and generate. `on_token` (optional) sees each generated
+/// id as it is produced, for streaming. Throws std::invalid_argument when decode_tail is negative or
+/// leaves no token to prefill, and whatever Session throws (context overflow, bad ids).
+GenerateResult generate(Session& session, const std::vector<int32_t>& prompt_ids, const GenerateOptions& opts,
+                        const std::function<void(int32_t)>& on_token = {});
+
+}  // namespace locks

@@ -1,0 +1,89 @@
+// Paged KV cache: a pool of pages of B tokens, per layer and KV head, and one page table per sequence.
+// Page ids follow vLLM/FlashInfer conventions: a page id names the same B token slots in every layer.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "locks/fp16.h"
+
+namespace locks {
+
+enum class KvDtype { F16, F32 };
+
+/// Bytes of one stored K or V element.
+inline size_t kv_dtype_bytes(KvDtype t) { return t == KvDtype::F16 ? 2 : 4; }
+/// "f16" / "f32"; parse throws std::invalid_argument on anything else.
+std::string kv_dtype_name(KvDtype t);
+KvDtype parse_kv_dtype(const std::string& s);
+
+struct KvCacheConfig {
+  int n_layer = 1;
+  int n_head_kv = 1;
+  int head_dim = 64;
+  int page_size = 16;  // B, tokens per page
+  int n_pages = 0;     // pool size (pages shared by all sequences)
+  KvDtype dtype = KvDtype::F16;
+};
+
+/// One sequence's view of the pool: its ordered page ids (the page table) and its length.
+/// Token t lives in page_table[t / B] at slot t % B; only the last page may be partial.
+struct KvSequence {
+  std::vector<int32_t> page_table;  // [n_pages_used] page ids
+  int32_t n_tokens = 0;
+  int32_t n_pages() const { return static_cast<int32_t>(page_table.size()); }
+};
+
+/// The page pool. Storage per (layer, page): K as [n_head_kv][B][head_dim] (HND inside the page,
+/// so one KV head's page is a contiguous [B][head_dim] block), V the same.
+class PagedKvCache {
+ public:
+  /// Throws std::invalid_argument on non-positive sizes or a pool whose byte size overflows.
+  explicit PagedKvCache(const KvCacheConfig& cfg);
+
+  const KvCacheConfig& config() const { return cfg_; }
+  int page_size() const { return cfg_.page_size; }
+  int n_free_pages() const { return static_cast<int>(free_.size()); }
+
+  /// Make room for `n` more tokens at the end of `seq` (allocating pages as needed) and return the
+  /// position of the first new token. Throws std::runtime_error naming the pool size when the pool
+  /// cannot hold them (nothing is allocated in that case).
+  int32_t append_tokens(KvSequence& seq, int32_t n);
+  /// Return all pages of `seq` to the pool and clear it.
+  void release(KvSequence& seq);
+
+  /// Store k, v ([n_head_kv][head_dim] float32 each) of token `pos` of `seq` in layer `il`.
+  /// Throws std::invalid_argument when k or v holds NaN/Inf (a NaN key would poison every score).
+  void write(int il, const KvSequence& seq, int32_t pos, const float* k, const float* v);
+
+  /// Raw page block of one KV head: [B][head_dim] elements of the cache dtype.
+  const void* k_page(int il, int32_t page, int kv_head) const { return ptr(k_, il, page, kv_head); }
+  const void* v_page(int il, int32_t page, int kv_head) const { return ptr(v_, il, page, kv_head); }
+  /// Copy one KV head's K (or V) page to float32 rows: out [B][head_dim].
+  void k_page_f32(int il, int32_t page, int kv_head, float* out) const;
+  void v_page_f32(int il, int32_t page, int kv_head, float* out) const;
+
+  /// Bytes of one page's K+V for one KV head and `n_tokens` tokens.
+  size_t kv_bytes(int32_t n_tokens) const {
+    return 2 * static_cast<size_t>(n_tokens) * cfg_.head_dim * kv_dtype_bytes(cfg_.dtype);
+  }
+
+ private:
+  size_t block_elems() const { return static_cast<size_t>(cfg_.page_size) * cfg_.head_dim; }
+  size_t offset(int il, int32_t page, int kv_head) const {
+    return ((static_cast<size_t>(il) * cfg_.n_pages + page) * cfg_.n_head_kv + kv_head) * block_elems() *
+           kv_dtype_bytes(cfg_.dtype);
+  }
+  const void* ptr(const std::vector<uint8_t>& buf, int il, int32_t page, int kv_head) const {
+    return buf.data() + offset(il, page, kv_head);
+  }
+  void to_f32(const std::vector<uint8_t>& buf, int il, int32_t page, int kv_head, float* out) const;
+
+  KvCacheConfig cfg_;
+  std::vector<uint8_t> k_, v_;  // [n_layer][n_pages][n_head_kv][B][head_dim]
+  std::vector<int32_t> free_;   // free page ids, popped from the back (lowest id first)
+};
+
+}  // namespace locks

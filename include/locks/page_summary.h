@@ -1,0 +1,102 @@
+// LOCKS page summaries — Algorithm 1 of the paper (arXiv 2607.24555, Sec. 3).
+//
+// For one finished page of B keys (post-RoPE) of one KV head:
+//   mu = mean_i k_i,  delta_i = k_i - mu,  D = [delta_1 .. delta_B]^T in R^{B x d}
+//   D D^T = U Sigma^2 U^T (B x B, eigenvalues descending)
+//   V = D^T U_r Sigma_r^{-1} (d x r, orthonormal columns),  C = U_r Sigma_r (B x r),
+//   tau_r = sum_{k > r} sigma_k^2 (spectral tail).
+// Stored quantized: V int4 with one scale per column, C int8 with one scale per row, mu int8 with
+// one scale (scales f16). The score of Eq. 4 is computed from the stored form.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "locks/fp16.h"
+
+namespace locks {
+
+/// Storage precision of the summary parts. Bits: 32 = float32 (unquantized, the theory's setting),
+/// 16 = bf16, 8/4/2 = symmetric integer codes in [-(2^(b-1)-1), 2^(b-1)-1] with f16 scales.
+struct SummaryFormat {
+  int rank = 8;            // r, 1 <= r <= page_size
+  int basis_bits = 4;      // 32, 16 (bf16), 8, 4, 2; one scale per basis column
+  int coef_bits = 8;       // 32 or 8; one scale per coefficient row (token)
+  int centroid_bits = 8;   // 32 or 8; one scale per page
+
+  static SummaryFormat unquantized(int r) { return {r, 32, 32, 32}; }
+  /// Throws std::invalid_argument naming the bad field.
+  void validate(int page_size, int head_dim) const;
+  /// Bytes one (page, KV head) summary occupies and a score pass reads (tail tau excluded:
+  /// diagnostics only). Includes the f16 scales.
+  size_t bytes(int page_size, int head_dim) const;
+  std::string describe() const;  // e.g. "r=8 basis=int4 coef=int8 centroid=int8"
+};
+
+/// A summary in float32, as Algorithm 1 produces it before quantization (or dequantized).
+struct PageSummaryF32 {
+  std::vector<float> centroid;  // mu: [d]
+  std::vector<float> basis;     // V: [r][d]  (row k is basis column k)
+  std::vector<float> coef;      // C: [B][r]  (row i is c_i)
+  float tail = 0.0f;            // tau_{j,r} = sum_{k>r} sigma_k^2
+  std::vector<float> sigma2;    // all B eigenvalues of D D^T, descending (diagnostics)
+};
+
+/// Algorithm 1 on one page. keys: [n_tok][d] float32, n_tok in [1, B] (callers summarise full
+/// pages; shorter inputs are handled as a B-row page of n_tok rows). Singular values below
+/// 1e-6 * sigma_max (or exactly zero) give a zero basis column and zero coefficients, so pages of
+/// identical keys or rank < r are exact and never NaN. Throws std::invalid_argument on NaN/Inf keys.
+PageSummaryF32 build_page_summary(const float* keys, int n_tok, int d, int rank);
+
+/// Eq. 4 on an unquantized summary: s_hat(q) = logsumexp_i (q.mu + (V^T q).c_i) * scale.
+/// q: [d]; scale is usually 1/sqrt(d).
+float summary_log_mass(const PageSummaryF32& s, const float* q, int d, float scale);
+
+/// Exact page log-mass s_j(q) = logsumexp_i (q.k_i) * scale over n_tok keys [n_tok][d].
+float exact_log_mass(const float* keys, int n_tok, const float* q, int d, float scale);
+
+/// Structure-of-arrays store of quantized summaries for every (layer, KV head, page id), laid out
+/// [layer][kv_head][page] per field so a score pass over one head's pages is a linear walk.
+class PageSummaryStore {
+ public:
+  PageSummaryStore() = default;
+  PageSummaryStore(const SummaryFormat& fmt, int n_layer, int n_head_kv, int n_pages, int page_size, int head_dim);
+
+  const SummaryFormat& format() const { return fmt_; }
+  size_t summary_bytes() const { return summary_bytes_; }
+
+  /// Quantize and store a float summary (Algorithm 1 output) for (il, kv_head, page).
+  /// Throws std::invalid_argument when a scale would overflow f16 (|key| beyond ~1e6).
+  void store(int il, int kv_head, int32_t page, const PageSummaryF32& s);
+  bool has(int il, int kv_head, int32_t page) const { return valid_[index(il, kv_head, page)] != 0; }
+  void clear(int il, int kv_head, int32_t page) { valid_[index(il, kv_head, page)] = 0; }
+  /// Dequantized copy (for tests and diagnostics).
+  PageSummaryF32 load(int il, int kv_head, int32_t page) const;
+
+  /// Eq. 4 for a whole GQA group from the stored (quantized) summary, reading it once:
+  /// out[g] = s_hat_j(q_g) for g < n_group. q: [n_group][d] float32; scale usually 1/sqrt(d).
+  void score(int il, int kv_head, int32_t page, const float* q, int n_group, float scale, float* out) const;
+
+ private:
+  size_t index(int il, int kv_head, int32_t page) const {
+    return (static_cast<size_t>(il) * n_head_kv_ + kv_head) * n_pages_ + page;
+  }
+  void dequant_basis(size_t idx, float* out) const;  // [r][d]
+
+  SummaryFormat fmt_;
+  int n_head_kv_ = 0, n_pages_ = 0, B_ = 16, d_ = 0;
+  size_t basis_stride_ = 0, coef_stride_ = 0, centroid_stride_ = 0, summary_bytes_ = 0;
+  std::vector<uint8_t> basis_;           // [L][H][P][basis_stride_] packed codes / bf16 / f32
+  std::vector<f16_t> basis_scale_;       // [L][H][P][r]
+  std::vector<uint8_t> coef_;            // [L][H][P][coef_stride_] int8 codes or f32
+  std::vector<f16_t> coef_scale_;        // [L][H][P][B]
+  std::vector<uint8_t> centroid_;        // [L][H][P][centroid_stride_] int8 codes or f32
+  std::vector<f16_t> centroid_scale_;    // [L][H][P]
+  std::vector<float> tail_;              // [L][H][P]
+  std::vector<uint8_t> valid_;           // [L][H][P]
+};
+
+}  // namespace locks

@@ -1,0 +1,77 @@
+// Page selectors: one interface, chosen by name at run time. A selector sees the post-RoPE queries
+// of one GQA group and returns which pages of the sequence that group attends.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "locks/kv_cache.h"
+#include "locks/page_summary.h"
+
+namespace locks {
+
+/// How per-head page scores become one shared choice for the GQA group.
+enum class GroupRule {
+  kShareAverage,  // Eq. 5: mean over heads of per-head softmax shares (LOCKS default; Cor. 3)
+  kMax,           // max over heads of the per-head share
+  kMassSum,       // softmax of the summed per-head log-mass (sum of queries' scores)
+};
+std::string group_rule_name(GroupRule r);
+GroupRule parse_group_rule(const std::string& s);  // "share-average" | "max" | "mass-sum"
+
+/// One selection request: the GQA group of KV head `kv_head` in layer `il` of sequence `seq`.
+struct SelectionRequest {
+  const float* q = nullptr;  // [n_group][head_dim] float32, post-RoPE
+  int n_group = 1;           // G query heads sharing the KV head
+  int il = 0;
+  int kv_head = 0;
+  const KvSequence* seq = nullptr;
+  int budget_pages = 32;     // k (>= 2): sink + recent + top-(k-2)
+};
+
+/// Selected pages as positions in the sequence's page table (ascending), plus the bytes the
+/// selector read to decide (summaries, exact keys for the oracle, ...), not counting attention.
+struct Selection {
+  std::vector<int32_t> pages;
+  size_t bytes_read = 0;
+  bool all_pages = false;  // true when every page was kept (budget covers the sequence, or dense)
+};
+
+class Selector {
+ public:
+  virtual ~Selector() = default;
+  virtual std::string name() const = 0;
+  /// Pages just filled in layer `il` (their K is final). Selectors build per-page metadata here.
+  virtual void on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) {}
+  /// Choose the pages for one GQA group. Must always include page 0 (sink) and the last page
+  /// (recent) and at most max(budget_pages, 2) pages.
+  virtual void select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out) = 0;
+  /// Deep copy (metadata included), so an evaluation can fork a prefilled sequence.
+  virtual std::unique_ptr<Selector> clone() const = 0;
+};
+
+struct SelectorOptions {
+  SummaryFormat summary;                       // LOCKS summary format (rank, precisions)
+  GroupRule group_rule = GroupRule::kShareAverage;
+};
+
+/// Construct a selector by name: "full", "oracle", "locks". `cache_cfg` sizes per-page metadata.
+/// Throws std::invalid_argument listing the known names when `name` is unknown.
+std::unique_ptr<Selector> make_selector(const std::string& name, const KvCacheConfig& cache_cfg,
+                                        const SelectorOptions& opts = {});
+/// Names accepted by make_selector.
+std::vector<std::string> selector_names();
+
+/// The shared selection rule (Alg. 2 lines 6-9): given page log-mass estimates
+/// `log_mass[g * n_pages + j]` for the G heads and every page of the sequence, form per-head
+/// shares (softmax over pages), combine them by `rule`, and keep the sink page, the recent page and
+/// the top-(k-2) others. Ties break toward the lower page index. Pages with -inf estimates get
+/// share 0. Output ascending. `scores_out`, when non-null, receives the combined score per page.
+void select_top_pages(const float* log_mass, int n_group, int n_pages, int budget_pages, GroupRule rule,
+                      std::vector<int32_t>& out, std::vector<float>* scores_out = nullptr);
+
+}  // namespace locks

@@ -1,0 +1,81 @@
+// One sequence being generated: the model's forward pass over a paged KV cache, with dense prefill
+// and selector-driven sparse decode (Alg. 2 inside every layer's attention).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "locks/kv_cache.h"
+#include "locks/model.h"
+#include "locks/selector.h"
+
+namespace locks {
+
+struct SessionConfig {
+  int n_ctx = 0;                  // max tokens; 0 = the model's training context
+  KvDtype kv_dtype = KvDtype::F16;
+  std::string selector = "full";  // see selector_names()
+  int budget_tokens = 512;        // b = k * B tokens per KV head (multiple of B, >= 2B)
+  SelectorOptions selector_opts;
+  int prefill_chunk = 512;        // tokens per prefill forward (bounds activation memory)
+};
+
+/// Work done by decode steps, summed (bytes are per step summed over layers and KV heads).
+struct DecodeTotals {
+  int64_t steps = 0;
+  double bytes_read = 0;        // selector reads + K/V of attended pages
+  double dense_bytes = 0;       // K/V of every page (what full attention reads)
+  double select_seconds = 0;
+  double attend_seconds = 0;
+  double seconds = 0;           // whole decode steps
+};
+
+class Session {
+ public:
+  /// Throws std::invalid_argument for a bad budget (not a multiple of the page size or < 2 pages),
+  /// an unknown selector, or n_ctx <= 0 / beyond what the pool can address.
+  Session(const LlamaModel& model, const SessionConfig& cfg);
+  Session(const Session& other);
+  /// A copy of this session's sequence (cache and last logits) that decodes with another selector
+  /// and budget (`cfg.selector`, `cfg.budget_tokens`, `cfg.selector_opts`; n_ctx and dtype are
+  /// kept). The new selector's per-page metadata is built for every full page (batched), exactly as
+  /// if it had run from the start: prefill is dense, so the cache does not depend on the selector.
+  Session fork(const SessionConfig& cfg) const;
+  Session& operator=(const Session&) = delete;
+
+  /// Dense prefill of `tokens` appended to the sequence; returns logits [n_vocab] of the last one.
+  /// Throws std::length_error when the sequence would exceed n_ctx, std::out_of_range on token
+  /// ids outside the vocabulary.
+  const std::vector<float>& prefill(std::span<const int32_t> tokens);
+  /// One decode step for `token` through the selector; returns logits [n_vocab].
+  const std::vector<float>& decode(int32_t token);
+
+  int32_t n_tokens() const { return seq_.n_tokens; }
+  int n_ctx() const { return n_ctx_; }
+  const DecodeTotals& totals() const { return totals_; }
+  const PagedKvCache& cache() const { return cache_; }
+  const KvSequence& sequence() const { return seq_; }
+  const Selector& selector() const { return *selector_; }
+  const LlamaModel& model() const { return model_; }
+  int budget_pages() const { return budget_pages_; }
+
+ private:
+  void forward(std::span<const int32_t> tokens, bool decode_step);
+  static int check_budget(int budget_tokens, int page_size);
+
+  const LlamaModel& model_;
+  SessionConfig cfg_;
+  int n_ctx_ = 0;
+  int budget_pages_ = 0;
+  PagedKvCache cache_;
+  KvSequence seq_;
+  std::unique_ptr<Selector> selector_;
+  std::vector<double> inv_freq_;  // RoPE: base^(-2i/n_rot)
+  std::vector<float> logits_;
+  DecodeTotals totals_;
+};
+
+}  // namespace locks

@@ -1,0 +1,60 @@
+// Decode attention over a page list: one pass, online softmax (the CPU twin of the split-K GPU kernel).
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "locks/attention.h"
+#include "locks/math.h"
+
+namespace locks {
+
+void paged_decode_attention(const PagedKvCache& cache, int il, int kv_head, const KvSequence& seq,
+                            std::span<const int32_t> pages, const float* q, int n_group, float scale, float* o,
+                            float* lse) {
+  const auto& cfg = cache.config();
+  const int d = cfg.head_dim, B = cfg.page_size;
+  alignas(64) float kbuf[32 * 256];
+  alignas(64) float vbuf[32 * 256];
+  std::vector<SoftmaxState> st(n_group);
+  std::fill(o, o + size_t(n_group) * d, 0.0f);
+  float logits[32];
+  for (const int32_t j : pages) {
+    const int n_tok = j == seq.n_pages() - 1 ? seq.n_tokens - j * B : B;
+    const int32_t page = seq.page_table[j];
+    cache.k_page_f32(il, page, kv_head, kbuf);
+    cache.v_page_f32(il, page, kv_head, vbuf);
+    for (int g = 0; g < n_group; ++g) {
+      const float* qg = q + size_t(g) * d;
+      float mx = kNegInf;
+      for (int i = 0; i < n_tok; ++i) {
+        float acc = 0.0f;
+        for (int x = 0; x < d; ++x) acc += qg[x] * kbuf[i * d + x];
+        logits[i] = acc * scale;
+        mx = std::max(mx, logits[i]);
+      }
+      // Rescale the running output to the new max, then accumulate this page's contribution.
+      SoftmaxState& s = st[g];
+      const float m_new = std::max(s.m, mx);
+      const float corr = s.m == kNegInf ? 0.0f : fast_exp(s.m - m_new);
+      float* og = o + size_t(g) * d;
+      for (int x = 0; x < d; ++x) og[x] *= corr;
+      float l = s.l * corr;
+      for (int i = 0; i < n_tok; ++i) {
+        const float p = fast_exp(logits[i] - m_new);
+        l += p;
+        for (int x = 0; x < d; ++x) og[x] += p * vbuf[i * d + x];
+      }
+      s.m = m_new;
+      s.l = l;
+    }
+  }
+  for (int g = 0; g < n_group; ++g) {
+    float* og = o + size_t(g) * d;
+    const float inv = st[g].l > 0.0f ? 1.0f / st[g].l : 0.0f;
+    for (int x = 0; x < d; ++x) og[x] *= inv;
+    if (lse) lse[g] = st[g].lse();
+  }
+}
+
+}  // namespace locks

@@ -1,0 +1,98 @@
+#include "locks/kv_cache.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+
+#include <fmt/format.h>
+
+namespace locks {
+
+std::string kv_dtype_name(KvDtype t) { return t == KvDtype::F16 ? "f16" : "f32"; }
+
+KvDtype parse_kv_dtype(const std::string& s) {
+  if (s == "f16") return KvDtype::F16;
+  if (s == "f32") return KvDtype::F32;
+  throw std::invalid_argument(fmt::format("unknown KV cache dtype '{}' (expected f16 or f32)", s));
+}
+
+PagedKvCache::PagedKvCache(const KvCacheConfig& cfg) : cfg_(cfg) {
+  if (cfg.n_layer <= 0 || cfg.n_head_kv <= 0 || cfg.head_dim <= 0 || cfg.page_size <= 0 || cfg.n_pages <= 0)
+    throw std::invalid_argument(fmt::format(
+        "KV cache config: n_layer={}, n_head_kv={}, head_dim={}, page_size={}, n_pages={} must all be positive",
+        cfg.n_layer, cfg.n_head_kv, cfg.head_dim, cfg.page_size, cfg.n_pages));
+  const double bytes = 2.0 * cfg.n_layer * cfg.n_pages * cfg.n_head_kv * double(block_elems()) *
+                       double(kv_dtype_bytes(cfg.dtype));
+  if (bytes > 0.5 * double(std::numeric_limits<size_t>::max()))
+    throw std::invalid_argument("KV cache config: pool size overflows");
+  const size_t n = static_cast<size_t>(bytes / 2);
+  k_.assign(n, 0);
+  v_.assign(n, 0);
+  free_.resize(cfg.n_pages);
+  for (int i = 0; i < cfg.n_pages; ++i) free_[i] = cfg.n_pages - 1 - i;
+}
+
+int32_t PagedKvCache::append_tokens(KvSequence& seq, int32_t n) {
+  if (n < 0) throw std::invalid_argument("append_tokens: negative token count");
+  const int64_t B = cfg_.page_size;
+  const int64_t new_len = int64_t(seq.n_tokens) + n;
+  const int64_t need_pages = (new_len + B - 1) / B;
+  const int64_t extra = need_pages - seq.n_pages();
+  if (extra > static_cast<int64_t>(free_.size()))
+    throw std::runtime_error(fmt::format(
+        "KV page pool exhausted: {} more tokens need {} new pages but only {} of {} pages are free "
+        "(pool holds {} tokens)",
+        n, extra, free_.size(), cfg_.n_pages, int64_t(cfg_.n_pages) * B));
+  for (int64_t i = 0; i < extra; ++i) {
+    seq.page_table.push_back(free_.back());
+    free_.pop_back();
+  }
+  const int32_t pos = seq.n_tokens;
+  seq.n_tokens = static_cast<int32_t>(new_len);
+  return pos;
+}
+
+void PagedKvCache::release(KvSequence& seq) {
+  for (auto it = seq.page_table.rbegin(); it != seq.page_table.rend(); ++it) free_.push_back(*it);
+  seq.page_table.clear();
+  seq.n_tokens = 0;
+}
+
+void PagedKvCache::write(int il, const KvSequence& seq, int32_t pos, const float* k, const float* v) {
+  if (pos < 0 || pos >= seq.n_tokens)
+    throw std::out_of_range(fmt::format("KV write: position {} outside sequence of {} tokens", pos, seq.n_tokens));
+  const int d = cfg_.head_dim;
+  for (int i = 0; i < cfg_.n_head_kv * d; ++i)
+    if (!std::isfinite(k[i]) || !std::isfinite(v[i]))
+      throw std::invalid_argument(fmt::format("KV write: non-finite {} at layer {}, position {}, KV head {}, dim {}",
+                                              std::isfinite(k[i]) ? "value" : "key", il, pos, i / d, i % d));
+  const int32_t page = seq.page_table[pos / cfg_.page_size];
+  const int slot = pos % cfg_.page_size;
+  const size_t eb = kv_dtype_bytes(cfg_.dtype);
+  for (int h = 0; h < cfg_.n_head_kv; ++h) {
+    uint8_t* kd = k_.data() + offset(il, page, h) + size_t(slot) * d * eb;
+    uint8_t* vd = v_.data() + offset(il, page, h) + size_t(slot) * d * eb;
+    if (cfg_.dtype == KvDtype::F16) {
+      f32_to_f16_row(k + h * d, reinterpret_cast<f16_t*>(kd), d);
+      f32_to_f16_row(v + h * d, reinterpret_cast<f16_t*>(vd), d);
+    } else {
+      std::memcpy(kd, k + h * d, d * 4);
+      std::memcpy(vd, v + h * d, d * 4);
+    }
+  }
+}
+
+void PagedKvCache::to_f32(const std::vector<uint8_t>& buf, int il, int32_t page, int kv_head, float* out) const {
+  const void* p = ptr(buf, il, page, kv_head);
+  if (cfg_.dtype == KvDtype::F16)
+    f16_to_f32_row(static_cast<const f16_t*>(p), out, block_elems());
+  else
+    std::memcpy(out, p, block_elems() * 4);
+}
+
+void PagedKvCache::k_page_f32(int il, int32_t page, int kv_head, float* out) const { to_f32(k_, il, page, kv_head, out); }
+void PagedKvCache::v_page_f32(int il, int32_t page, int kv_head, float* out) const { to_f32(v_, il, page, kv_head, out); }
+
+}  // namespace locks

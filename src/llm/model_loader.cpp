@@ -1,0 +1,87 @@
+// GGUF -> LlamaModel: hyper-parameters from `llama.*` keys, weights dequantized to float32.
+#include <stdexcept>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "locks/model.h"
+
+namespace locks {
+
+namespace {
+
+Matrix load_matrix(const GgufFile& f, const std::string& name, int rows, int cols) {
+  const GgufTensorInfo& t = f.tensor(name);
+  if (t.ne.size() != 2 || t.ne[0] != uint64_t(cols) || t.ne[1] != uint64_t(rows))
+    throw std::runtime_error(fmt::format("GGUF '{}': tensor '{}' has shape [{}], expected [{}, {}]", f.name(), name,
+                                         fmt::join(t.ne, ", "), cols, rows));
+  return Matrix{rows, cols, f.dequantize(t)};
+}
+
+std::vector<float> load_vector(const GgufFile& f, const std::string& name, int n) {
+  const GgufTensorInfo& t = f.tensor(name);
+  if (t.n_elements != uint64_t(n))
+    throw std::runtime_error(
+        fmt::format("GGUF '{}': tensor '{}' has {} elements, expected {}", f.name(), name, t.n_elements, n));
+  return f.dequantize(t);
+}
+
+}  // namespace
+
+LlamaModel LlamaModel::load(const std::string& path) { return from_gguf(GgufFile::open(path)); }
+
+LlamaModel LlamaModel::from_gguf(const GgufFile& f) {
+  const std::string arch = f.get_string("general.architecture");
+  if (arch != "llama")
+    throw std::runtime_error(fmt::format("GGUF '{}': architecture '{}' is not supported (expected llama)", f.name(), arch));
+  LlamaModel m;
+  m.name = f.has_key("general.name") ? f.get_string("general.name") : f.name();
+  LlamaHparams& hp = m.hp;
+  hp.n_ctx_train = int(f.get_u32("llama.context_length"));
+  hp.n_embd = int(f.get_u32("llama.embedding_length"));
+  hp.n_layer = int(f.get_u32("llama.block_count"));
+  hp.n_ff = int(f.get_u32("llama.feed_forward_length"));
+  hp.n_head = int(f.get_u32("llama.attention.head_count"));
+  hp.n_head_kv = int(f.get_u32_or("llama.attention.head_count_kv", uint32_t(hp.n_head)));
+  hp.rope_freq_base = f.get_f32_or("llama.rope.freq_base", 10000.0f);
+  hp.rms_eps = f.get_f32_or("llama.attention.layer_norm_rms_epsilon", 1e-5f);
+  auto bad = [&](const std::string& what) {
+    return std::runtime_error(fmt::format("GGUF '{}': {}", f.name(), what));
+  };
+  if (hp.n_embd <= 0 || hp.n_layer <= 0 || hp.n_ff <= 0 || hp.n_head <= 0 || hp.n_head_kv <= 0 || hp.n_ctx_train <= 0)
+    throw bad("llama.* sizes must be positive");
+  if (hp.n_embd > 65536 || hp.n_layer > 1024 || hp.n_ff > 1 << 20 || hp.n_head > 1024)
+    throw bad("llama.* sizes are implausibly large");
+  if (hp.n_embd % hp.n_head != 0) throw bad(fmt::format("n_embd {} not divisible by n_head {}", hp.n_embd, hp.n_head));
+  if (hp.n_head % hp.n_head_kv != 0)
+    throw bad(fmt::format("n_head {} not divisible by n_head_kv {}", hp.n_head, hp.n_head_kv));
+  hp.head_dim = hp.n_embd / hp.n_head;
+  hp.n_rot = int(f.get_u32_or("llama.rope.dimension_count", uint32_t(hp.head_dim)));
+  if (hp.n_rot <= 0 || hp.n_rot > hp.head_dim || hp.n_rot % 2 != 0)
+    throw bad(fmt::format("llama.rope.dimension_count {} invalid for head_dim {}", hp.n_rot, hp.head_dim));
+  if (!(hp.rope_freq_base > 0.0f) || !(hp.rms_eps > 0.0f)) throw bad("rope freq_base and RMSNorm eps must be positive");
+
+  m.tokenizer = Tokenizer::from_gguf(f);
+  hp.n_vocab = m.tokenizer.n_vocab();
+  const int E = hp.n_embd, HD = hp.head_dim;
+  m.tok_embd = load_matrix(f, "token_embd.weight", hp.n_vocab, E);
+  m.output_norm = load_vector(f, "output_norm.weight", E);
+  if (f.find_tensor("output.weight")) m.output = load_matrix(f, "output.weight", hp.n_vocab, E);
+  m.layers.resize(hp.n_layer);
+  for (int il = 0; il < hp.n_layer; ++il) {
+    const std::string p = fmt::format("blk.{}.", il);
+    LlamaLayer& L = m.layers[il];
+    L.attn_norm = load_vector(f, p + "attn_norm.weight", E);
+    L.wq = load_matrix(f, p + "attn_q.weight", hp.n_head * HD, E);
+    L.wk = load_matrix(f, p + "attn_k.weight", hp.n_head_kv * HD, E);
+    L.wv = load_matrix(f, p + "attn_v.weight", hp.n_head_kv * HD, E);
+    L.wo = load_matrix(f, p + "attn_output.weight", E, hp.n_head * HD);
+    L.ffn_norm = load_vector(f, p + "ffn_norm.weight", E);
+    L.w_gate = load_matrix(f, p + "ffn_gate.weight", hp.n_ff, E);
+    L.w_up = load_matrix(f, p + "ffn_up.weight", hp.n_ff, E);
+    L.w_down = load_matrix(f, p + "ffn_down.weight", E, hp.n_ff);
+  }
+  return m;
+}
+
+}  // namespace locks

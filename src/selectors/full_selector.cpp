@@ -1,0 +1,15 @@
+// `full`: dense attention over every page (the reference every sparse method is judged against).
+#include "selectors/selectors.h"
+
+#include <numeric>
+
+namespace locks {
+
+void FullSelector::select(const PagedKvCache&, const SelectionRequest& req, Selection& out) {
+  out.pages.resize(req.seq->n_pages());
+  std::iota(out.pages.begin(), out.pages.end(), 0);
+  out.bytes_read = 0;
+  out.all_pages = true;
+}
+
+}  // namespace locks

@@ -1,0 +1,59 @@
+// `locks`: Algorithm 2. Score every page from its summary alone (Eq. 4), per-head shares, GQA group
+// average (Eq. 5), keep sink + recent + top-(k-2).
+#include "selectors/selectors.h"
+
+#include <cmath>
+#include <vector>
+
+namespace locks {
+
+LocksSelector::LocksSelector(const KvCacheConfig& cfg, const SummaryFormat& fmt, GroupRule rule)
+    : store_(fmt, cfg.n_layer, cfg.n_head_kv, cfg.n_pages, cfg.page_size, cfg.head_dim), rule_(rule) {}
+
+std::string LocksSelector::name() const { return "locks"; }
+
+void LocksSelector::on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) {
+  const auto& cfg = cache.config();
+  const int n = static_cast<int>(page_ids.size()) * cfg.n_head_kv;
+  // Alg. 1 for every (page, KV head): independent, so batched across cores.
+#pragma omp parallel for schedule(dynamic, 4) if (n > 8)
+  for (int t = 0; t < n; ++t) {
+    const int32_t page = page_ids[t / cfg.n_head_kv];
+    const int h = t % cfg.n_head_kv;
+    std::vector<float> keys(size_t(cfg.page_size) * cfg.head_dim);
+    cache.k_page_f32(il, page, h, keys.data());
+    store_.store(il, h, page, build_page_summary(keys.data(), cfg.page_size, cfg.head_dim, store_.format().rank));
+  }
+}
+
+void LocksSelector::select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out) {
+  const auto& cfg = cache.config();
+  const int d = cfg.head_dim, B = cfg.page_size, n_pages = req.seq->n_pages();
+  const float scale = 1.0f / std::sqrt(float(d));
+  std::vector<float> log_mass(size_t(req.n_group) * n_pages);  // [G][n_pages]
+  size_t bytes = 0;
+  float tmp[64];
+  std::vector<float> keys;
+  for (int j = 0; j < n_pages; ++j) {
+    const int32_t page = req.seq->page_table[j];
+    if (store_.has(req.il, req.kv_head, page) && page_tokens(*req.seq, j, B) == B) {
+      store_.score(req.il, req.kv_head, page, req.q, req.n_group, scale, tmp);  // Eq. 4
+      bytes += store_.summary_bytes();
+      for (int g = 0; g < req.n_group; ++g) log_mass[size_t(g) * n_pages + j] = tmp[g];
+    } else {
+      // The partial recent page has no summary yet: its exact log-mass (<= B-1 keys, which
+      // attention reads anyway) keeps the per-head share normalisation honest.
+      const int n_tok = page_tokens(*req.seq, j, B);
+      keys.resize(size_t(B) * d);
+      cache.k_page_f32(req.il, page, req.kv_head, keys.data());
+      bytes += cache.kv_bytes(n_tok) / 2;
+      for (int g = 0; g < req.n_group; ++g)
+        log_mass[size_t(g) * n_pages + j] = exact_log_mass(keys.data(), n_tok, req.q + size_t(g) * d, d, scale);
+    }
+  }
+  select_top_pages(log_mass.data(), req.n_group, n_pages, req.budget_pages, rule_, out.pages);
+  out.bytes_read = bytes;
+  out.all_pages = int(out.pages.size()) == n_pages;
+}
+
+}  // namespace locks

@@ -1,0 +1,77 @@
+// Alg. 2 lines 6-9: shares, group rule, sink + recent + top-(k-2).
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <stdexcept>
+
+#include <fmt/format.h>
+
+#include "locks/math.h"
+#include "locks/selector.h"
+
+namespace locks {
+
+std::string group_rule_name(GroupRule r) {
+  switch (r) {
+    case GroupRule::kShareAverage: return "share-average";
+    case GroupRule::kMax: return "max";
+    case GroupRule::kMassSum: return "mass-sum";
+  }
+  return "?";
+}
+
+GroupRule parse_group_rule(const std::string& s) {
+  if (s == "share-average") return GroupRule::kShareAverage;
+  if (s == "max") return GroupRule::kMax;
+  if (s == "mass-sum") return GroupRule::kMassSum;
+  throw std::invalid_argument(fmt::format("unknown group rule '{}' (expected share-average, max or mass-sum)", s));
+}
+
+void select_top_pages(const float* log_mass, int n_group, int n_pages, int budget_pages, GroupRule rule,
+                      std::vector<int32_t>& out, std::vector<float>* scores_out) {
+  out.clear();
+  if (n_pages <= 0) return;
+  const int k = std::max(budget_pages, 2);
+  std::vector<float> score(n_pages, 0.0f);
+  // Per-head shares m_g(j) = softmax_j(log_mass[g][j]) (Eq. 5), combined across the group.
+  for (int g = 0; g < n_group; ++g) {
+    const float* lm = log_mass + size_t(g) * n_pages;
+    if (rule == GroupRule::kMassSum) {
+      for (int j = 0; j < n_pages; ++j) score[j] += lm[j];
+      continue;
+    }
+    float mx = kNegInf;
+    for (int j = 0; j < n_pages; ++j) mx = std::max(mx, lm[j]);
+    if (mx == kNegInf) continue;  // head with no finite estimate contributes no share
+    double z = 0.0;
+    for (int j = 0; j < n_pages; ++j) z += std::exp(double(lm[j]) - mx);
+    for (int j = 0; j < n_pages; ++j) {
+      const float share = float(std::exp(double(lm[j]) - mx) / z);
+      if (rule == GroupRule::kShareAverage)
+        score[j] += share / float(n_group);
+      else
+        score[j] = std::max(score[j], share);
+    }
+  }
+  if (rule == GroupRule::kMassSum)
+    for (int j = 0; j < n_pages; ++j)
+      if (std::isnan(score[j])) score[j] = kNegInf;
+  if (scores_out) *scores_out = score;
+
+  if (n_pages <= k) {
+    out.resize(n_pages);
+    std::iota(out.begin(), out.end(), 0);
+    return;
+  }
+  // Sink (page 0) and recent (last page) always; the rest by combined score, ties to lower index.
+  std::vector<int32_t> cand(n_pages - 2);
+  std::iota(cand.begin(), cand.end(), 1);
+  auto better = [&](int32_t a, int32_t b) { return score[a] > score[b] || (score[a] == score[b] && a < b); };
+  std::nth_element(cand.begin(), cand.begin() + (k - 2), cand.end(), better);
+  out.assign(cand.begin(), cand.begin() + (k - 2));
+  out.push_back(0);
+  out.push_back(n_pages - 1);
+  std::sort(out.begin(), out.end());
+}
+
+}  // namespace locks

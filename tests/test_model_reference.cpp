@@ -1,0 +1,79 @@
+// The engine against external references: llama2.c's own stories260K output (200 greedy tokens)
+// and float64 logits / greedy tokens of locks-ref-a computed on the dequantized weights.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "locks/generate.h"
+#include "locks/model.h"
+#include "locks/session.h"
+#include "test_paths.h"
+
+using namespace locks;
+
+namespace {
+nlohmann::json load_json(const std::string& path) {
+  std::ifstream in(path);
+  return nlohmann::json::parse(in);
+}
+}  // namespace
+
+TEST(ModelReference, Stories260KGreedyMatchesLlama2c) {
+  if (!test::shared_available()) GTEST_SKIP() << "../shared not present";
+  const auto ref = load_json(test::shared_path("models/stories260K.reference.json"));
+  const LlamaModel model = LlamaModel::load(test::shared_path("models/stories260K-f32.gguf"));
+  const auto expected = ref["greedy_from_bos"]["generated_ids"].get<std::vector<int32_t>>();
+  SessionConfig sc;
+  sc.kv_dtype = KvDtype::F32;
+  Session s(model, sc);
+  const std::vector<float>* logits = &s.prefill(std::vector<int32_t>{1});
+  // Top-5 logits at positions 0..2 as printed by run.c.
+  for (const auto& pos : ref["top5_logits"]) {
+    const int p = pos["position"].get<int>();
+    if (p > 0) logits = &s.decode(pos["input_id"].get<int32_t>());
+    for (const auto& pair : pos["top"]) {
+      const int id = pair[0].get<int>();
+      EXPECT_NEAR((*logits)[id], pair[1].get<float>(), 1e-3) << "position " << p << " token " << id;
+    }
+  }
+  Session g(model, sc);
+  GenerateOptions go;
+  go.max_tokens = int(expected.size());
+  go.stop_at_eos = false;
+  const auto r = generate(g, {1}, go);
+  ASSERT_EQ(r.generated_ids.size(), expected.size());
+  for (size_t i = 0; i < expected.size(); ++i) ASSERT_EQ(r.generated_ids[i], expected[i]) << "token " << i;
+}
+
+TEST(ModelReference, LocksRefLogitsAndGreedyMatchFloat64) {
+  if (!test::shared_available()) GTEST_SKIP() << "../shared not present";
+  const auto ref = load_json(test::shared_path("models/locks-ref-a-q8_0.vectors.json"));
+  const LlamaModel model = LlamaModel::load(test::source_path("models/locks-ref-a-q8_0.gguf"));
+  for (const auto kv : {KvDtype::F32, KvDtype::F16}) {
+    for (const auto& c : ref["cases"]) {
+      const auto prompt = c["prompt_ids"].get<std::vector<int32_t>>();
+      const auto want = c["last_logits"].get<std::vector<double>>();
+      const auto greedy = c["greedy_ids"].get<std::vector<int32_t>>();
+      SessionConfig sc;
+      sc.kv_dtype = kv;
+      Session s(model, sc);
+      const auto& logits = s.prefill(prompt);
+      double num = 0, den = 0;
+      for (size_t i = 0; i < want.size(); ++i) {
+        num += (logits[i] - want[i]) * (logits[i] - want[i]);
+        den += want[i] * want[i];
+      }
+      const double rel = std::sqrt(num / den);
+      EXPECT_LT(rel, kv == KvDtype::F32 ? 1e-4 : 1e-3) << "relative L2 error of last logits, kv " << kv_dtype_name(kv);
+      Session g(model, sc);
+      GenerateOptions go;
+      go.max_tokens = int(greedy.size());
+      go.stop_at_eos = false;
+      const auto r = generate(g, prompt, go);
+      EXPECT_EQ(r.generated_ids, greedy) << "kv " << kv_dtype_name(kv);
+    }
+  }
+}
