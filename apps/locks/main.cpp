@@ -20,7 +20,7 @@ int main(int argc, char** argv) {
   };
   add("run", "generate text with a selector (default when no subcommand is given)", locks::cli::add_run);
   add("bench", "decode-attention and engine speed benchmarks", locks::cli::add_bench);
-  // add("eval", "needle-retrieval accuracy of selectors on real held-out text", locks::cli::add_eval);
+  add("eval", "needle-retrieval accuracy of selectors on real held-out text", locks::cli::add_eval);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

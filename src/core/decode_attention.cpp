@@ -29,6 +29,7 @@ void paged_decode_attention(const PagedKvCache& cache, int il, int kv_head, cons
       float mx = kNegInf;
       for (int i = 0; i < n_tok; ++i) {
         float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
         for (int x = 0; x < d; ++x) acc += qg[x] * kbuf[i * d + x];
         logits[i] = acc * scale;
         mx = std::max(mx, logits[i]);

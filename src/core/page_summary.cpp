@@ -71,6 +71,14 @@ void dequantize_group(const uint8_t* src, size_t n, int bits, float scale, float
     for (size_t i = 0; i < n; ++i) out[i] = float(s[i]) * scale;
     return;
   }
+  if (bits == 4 && n % 2 == 0) {  // the shipped basis format: two sign-extended nibbles per byte
+    for (size_t b = 0; b < n / 2; ++b) {
+      const int8_t v = static_cast<int8_t>(src[b]);
+      out[2 * b] = float(static_cast<int8_t>(static_cast<uint8_t>(v << 4)) >> 4) * scale;
+      out[2 * b + 1] = float(v >> 4) * scale;
+    }
+    return;
+  }
   const int per_byte = 8 / bits;
   const int shift_up = 8 - bits;
   for (size_t i = 0; i < n; ++i) {
@@ -336,10 +344,12 @@ void PageSummaryStore::score(int il, int kv_head, int32_t page, const float* q, 
   for (int g = 0; g < n_group; ++g) {
     const float* qg = q + size_t(g) * d;
     float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
     for (int x = 0; x < d; ++x) acc += qg[x] * mu[x];
     a[g] = acc;
     for (int k = 0; k < r; ++k) {
       float w = 0.0f;
+#pragma omp simd reduction(+ : w)
       for (int x = 0; x < d; ++x) w += qg[x] * V[k * d + x];
       wq[g * r + k] = w;
     }

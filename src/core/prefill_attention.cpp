@@ -59,14 +59,9 @@ void paged_prefill_attention(const PagedKvCache& cache, int il, const KvSequence
           const int32_t qpos = pos0 + t0 + rrow / G;
           float* srow = S.row(rrow).data();
           const int valid = std::clamp(qpos - key0 + 1, 0, nk);  // causal mask: keys <= qpos
-          float mx = m[rrow];
-          for (int c = 0; c < valid; ++c) mx = std::max(mx, srow[c]);
+          const float mx = std::max(m[rrow], max_of(srow, valid));
           const float corr = m[rrow] == kNegInf ? 0.0f : fast_exp(m[rrow] - mx);
-          float sum = 0.0f;
-          for (int c = 0; c < valid; ++c) {
-            srow[c] = fast_exp(srow[c] - mx);
-            sum += srow[c];
-          }
+          const float sum = valid > 0 ? exp_shift_sum(srow, valid, mx) : 0.0f;
           for (int c = valid; c < nk; ++c) srow[c] = 0.0f;
           l[rrow] = l[rrow] * corr + sum;
           m[rrow] = mx;

@@ -1,0 +1,48 @@
+// `locks eval`: needle-retrieval accuracy of selectors x budgets on real held-out text.
+#include <cstdio>
+
+#include <fmt/format.h>
+#include <omp.h>
+
+#include "commands.h"
+#include "locks/eval_runner.h"
+#include "locks/paths.h"
+
+namespace locks::cli {
+
+Runner add_eval(CLI::App& app) {
+  auto c = std::make_shared<EvalConfig>();
+  auto threads = std::make_shared<int>(0);
+  c->corpus_path = "../shared/data/heldout-text.txt.xz";
+  app.add_option("-m,--model", c->model_path, "GGUF model (default: models/locks-ref-a-q8_0.gguf)");
+  app.add_option("--corpus", c->corpus_path, "held-out documents (.txt or .txt.xz, 0x1E-separated)")
+      ->capture_default_str();
+  app.add_option("--tasks", c->families, "task families: single, multikey, multiquery")
+      ->delimiter(',')->capture_default_str();
+  app.add_option("--lengths", c->lengths, "task lengths in tokens")->delimiter(',')->capture_default_str();
+  app.add_option("--budgets", c->budgets, "budgets in tokens (multiples of 16, >= 32)")
+      ->delimiter(',')->capture_default_str();
+  app.add_option("--selectors", c->selectors, "selectors: full, oracle, locks")->delimiter(',')->capture_default_str();
+  app.add_option("--contexts", c->contexts, "contexts per (task, length)")->check(CLI::Range(1, 100000))
+      ->capture_default_str();
+  app.add_option("--seed", c->seed, "task seed")->capture_default_str();
+  app.add_option("-r,--rank", c->summary.rank, "LOCKS summary rank r")->check(CLI::Range(1, 16))->capture_default_str();
+  app.add_option("--out", c->out_dir, "output directory (results.csv, summary.md)")->capture_default_str();
+  app.add_option("--threads", *threads, "CPU threads (default: all cores)")->check(CLI::Range(1, 1024));
+  return [c, threads] {
+    if (*threads > 0) omp_set_num_threads(*threads);
+    EvalConfig cfg = *c;
+    if (cfg.model_path.empty()) cfg.model_path = default_model_path();
+    auto progress = [](int done, int total, const std::string& what) {
+      fmt::print(stderr, "\r[eval] {:>4}/{} contexts | {:<60}", done, total, what);
+      std::fflush(stderr);
+    };
+    const auto rows = run_eval(cfg, progress);
+    fmt::print(stderr, "\n");
+    fmt::print("{}", eval_summary_markdown(cfg, rows));
+    fmt::print(stderr, "[eval] wrote {}/results.csv and {}/summary.md\n", cfg.out_dir, cfg.out_dir);
+    return 0;
+  };
+}
+
+}  // namespace locks::cli
