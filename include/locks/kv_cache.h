@@ -55,7 +55,8 @@ class PagedKvCache {
   void release(KvSequence& seq);
 
   /// Store k, v ([n_head_kv][head_dim] float32 each) of token `pos` of `seq` in layer `il`.
-  /// Throws std::invalid_argument when k or v holds NaN/Inf (a NaN key would poison every score).
+  /// Throws std::invalid_argument when k or v holds NaN/Inf, or (f16 cache) a value beyond +-65504 that
+  /// would be stored as inf: a NaN or inf key would poison every score.
   void write(int il, const KvSequence& seq, int32_t pos, const float* k, const float* v);
 
   /// Raw page block of one KV head: [B][head_dim] elements of the cache dtype.

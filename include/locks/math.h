@@ -37,6 +37,24 @@ inline float fast_exp(float x) {
   return p * s1 * s2;
 }
 
+/// Natural log for finite x > 0 (relative error < 3e-7): exponent split + atanh series on the
+/// mantissa. Used where a logsumexp needs log(l) with l in [1, B], millions of times per step.
+inline float fast_log(float x) {
+  int32_t bits;
+  std::memcpy(&bits, &x, 4);
+  int32_t e = ((bits >> 23) & 0xFF) - 127;
+  bits = (bits & 0x007FFFFF) | 0x3F800000;  // mantissa m in [1, 2)
+  float m;
+  std::memcpy(&m, &bits, 4);
+  if (m > 1.41421356f) {  // centre on 1 so the series converges fast: m in [0.707, 1.414)
+    m *= 0.5f;
+    e += 1;
+  }
+  const float t = (m - 1.0f) / (m + 1.0f), t2 = t * t;  // log m = 2 atanh t
+  const float p = 2.0f * t * (1.0f + t2 * (0.33333334f + t2 * (0.2f + t2 * (0.14285715f + t2 * 0.11111111f))));
+  return p + float(e) * 0.69314718f;
+}
+
 /// 8-wide fast_exp (same polynomial and clamping), AVX2 + FMA.
 inline __m256 fast_exp8(__m256 x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-104.0f)), _mm256_set1_ps(88.7f));

@@ -89,6 +89,7 @@ class PageSummaryStore {
   SummaryFormat fmt_;
   int n_head_kv_ = 0, n_pages_ = 0, B_ = 16, d_ = 0;
   size_t basis_stride_ = 0, coef_stride_ = 0, centroid_stride_ = 0, summary_bytes_ = 0;
+  bool fast_path_ = false;  // shipped-like format handled by the AVX2 score kernel
   std::vector<uint8_t> basis_;           // [L][H][P][basis_stride_] packed codes / bf16 / f32
   std::vector<f16_t> basis_scale_;       // [L][H][P][r]
   std::vector<uint8_t> coef_;            // [L][H][P][coef_stride_] int8 codes or f32

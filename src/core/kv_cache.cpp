@@ -68,6 +68,16 @@ void PagedKvCache::write(int il, const KvSequence& seq, int32_t pos, const float
     if (!std::isfinite(k[i]) || !std::isfinite(v[i]))
       throw std::invalid_argument(fmt::format("KV write: non-finite {} at layer {}, position {}, KV head {}, dim {}",
                                               std::isfinite(k[i]) ? "value" : "key", il, pos, i / d, i % d));
+  // A finite value beyond the f16 range would be stored as +-inf: the same poison as a NaN input.
+  if (cfg_.dtype == KvDtype::F16) {
+    constexpr float kF16Max = 65504.0f;
+    for (int i = 0; i < cfg_.n_head_kv * d; ++i)
+      if (std::abs(k[i]) > kF16Max || std::abs(v[i]) > kF16Max)
+        throw std::invalid_argument(fmt::format(
+            "KV write: {} {} at layer {}, position {}, KV head {}, dim {} overflows the f16 KV cache (max 65504); "
+            "use an f32 KV cache",
+            std::abs(k[i]) > kF16Max ? "key" : "value", std::abs(k[i]) > kF16Max ? k[i] : v[i], il, pos, i / d, i % d));
+  }
   const int32_t page = seq.page_table[pos / cfg_.page_size];
   const int slot = pos % cfg_.page_size;
   const size_t eb = kv_dtype_bytes(cfg_.dtype);

@@ -1,7 +1,10 @@
 // Algorithm 1 (page summary build) and the Eq. 4 score from the stored summary.
 #include "locks/page_summary.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
@@ -85,6 +88,65 @@ void dequantize_group(const uint8_t* src, size_t n, int bits, float scale, float
     const uint8_t u = static_cast<uint8_t>(src[i / per_byte] >> ((i % per_byte) * bits));
     const int8_t code = static_cast<int8_t>(static_cast<uint8_t>(u << shift_up)) >> shift_up;  // sign-extend
     out[i] = float(code) * scale;
+  }
+}
+
+
+// Sign-extended nibble pairs: byte b -> {code(low nibble), code(high nibble)} as floats, so the
+// int4 basis unpacks with one 8-byte copy per byte instead of shifts per element.
+const std::array<float, 512> kNibbleLut = [] {
+  std::array<float, 512> t{};
+  for (int b = 0; b < 256; ++b) {
+    t[2 * b] = float(static_cast<int8_t>(static_cast<uint8_t>(b << 4)) >> 4);
+    t[2 * b + 1] = float(static_cast<int8_t>(static_cast<uint8_t>(b)) >> 4);
+  }
+  return t;
+}();
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hmax8(__m256 v) {
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+// Eq. 4 for a GQA group over one page in the shipped format (int4/int8 basis codes, int8
+// coefficients and centroid, B = 16): codes become floats once per page, scales are applied after
+// the dot products, and the 16 token logits of a head are two AVX registers.
+template <int R>
+void score_page_avx2(const float* q, int n_group, int d, float scale, const float* mu, const float* Vc,
+                     const float* vscale, const float* Ct, float* out) {
+  for (int g = 0; g < n_group; ++g) {
+    const float* qg = q + size_t(g) * d;
+    __m256 am = _mm256_setzero_ps();
+    __m256 acc[R];
+    for (int k = 0; k < R; ++k) acc[k] = _mm256_setzero_ps();
+    for (int c = 0; c < d; c += 8) {
+      const __m256 q8 = _mm256_loadu_ps(qg + c);
+      am = _mm256_fmadd_ps(q8, _mm256_loadu_ps(mu + c), am);
+      for (int k = 0; k < R; ++k) acc[k] = _mm256_fmadd_ps(q8, _mm256_loadu_ps(Vc + size_t(k) * d + c), acc[k]);
+    }
+    const __m256 a8 = _mm256_set1_ps(hsum8(am));
+    __m256 lo = a8, hi = a8;
+    for (int k = 0; k < R; ++k) {
+      const __m256 w = _mm256_set1_ps(hsum8(acc[k]) * vscale[k]);  // (V^T q)_k
+      lo = _mm256_fmadd_ps(w, _mm256_loadu_ps(Ct + k * 16), lo);
+      hi = _mm256_fmadd_ps(w, _mm256_loadu_ps(Ct + k * 16 + 8), hi);
+    }
+    const __m256 s8 = _mm256_set1_ps(scale);
+    lo = _mm256_mul_ps(lo, s8);
+    hi = _mm256_mul_ps(hi, s8);
+    const float mx = hmax8(_mm256_max_ps(lo, hi));
+    const __m256 m8 = _mm256_set1_ps(mx);
+    const float l = hsum8(_mm256_add_ps(fast_exp8(_mm256_sub_ps(lo, m8)), fast_exp8(_mm256_sub_ps(hi, m8))));
+    out[g] = mx + fast_log(l);  // l in [1, 16]
   }
 }
 
@@ -225,6 +287,8 @@ PageSummaryStore::PageSummaryStore(const SummaryFormat& fmt, int n_layer, int n_
   coef_stride_ = fmt.coef_bits == 32 ? size_t(B_) * r * 4 : size_t(B_) * r;
   centroid_stride_ = fmt.centroid_bits == 32 ? size_t(d_) * 4 : size_t(d_);
   summary_bytes_ = fmt.bytes(B_, d_);
+  fast_path_ = (fmt.basis_bits == 4 || fmt.basis_bits == 8) && fmt.coef_bits == 8 && fmt.centroid_bits == 8 &&
+               B_ == 16 && d_ % 8 == 0 && (fmt.rank == 4 || fmt.rank == 8 || fmt.rank == 16);
   const size_t n = size_t(n_layer) * n_head_kv * n_pages;
   basis_.assign(n * basis_stride_, 0);
   basis_scale_.assign(n * r, 0);
@@ -329,6 +393,32 @@ void PageSummaryStore::score(int il, int kv_head, int32_t page, const float* q, 
     std::memcpy(mu, m, size_t(d) * 4);
   else
     dequantize_group(m, d, 8, f16_to_f32(centroid_scale_[idx]), mu);
+
+  if (fast_path_) {
+    // Shipped format: raw codes -> floats, column scales folded in after the dot products.
+    const uint8_t* src = basis_.data() + idx * basis_stride_;
+    float vscale[kMaxPage];
+    for (int k = 0; k < r; ++k) vscale[k] = f16_to_f32(basis_scale_[idx * r + k]);
+    if (fmt_.basis_bits == 4) {
+      for (int b = 0; b < r * d / 2; ++b) std::memcpy(V + 2 * b, &kNibbleLut[2 * size_t(src[b])], 8);
+    } else {
+      const int8_t* s8 = reinterpret_cast<const int8_t*>(src);
+      for (int i = 0; i < r * d; ++i) V[i] = float(s8[i]);
+    }
+    alignas(64) float Ct[kMaxPage * 16];  // coefficients transposed: [r][16 tokens]
+    const int8_t* ci = reinterpret_cast<const int8_t*>(coef_.data() + idx * coef_stride_);
+    for (int i = 0; i < 16; ++i) {
+      const float sc = f16_to_f32(coef_scale_[idx * 16 + i]);
+      for (int k = 0; k < r; ++k) Ct[k * 16 + i] = float(ci[i * r + k]) * sc;
+    }
+    if (r == 8)
+      score_page_avx2<8>(q, n_group, d, scale, mu, V, vscale, Ct, out);
+    else if (r == 4)
+      score_page_avx2<4>(q, n_group, d, scale, mu, V, vscale, Ct, out);
+    else
+      score_page_avx2<16>(q, n_group, d, scale, mu, V, vscale, Ct, out);  // fast_path_ implies r in {4, 8, 16}
+    return;
+  }
   dequant_basis(idx, V);
   const uint8_t* c = coef_.data() + idx * coef_stride_;
   if (fmt_.coef_bits == 32) {

@@ -32,7 +32,7 @@ void select_top_pages(const float* log_mass, int n_group, int n_pages, int budge
   out.clear();
   if (n_pages <= 0) return;
   const int k = std::max(budget_pages, 2);
-  std::vector<float> score(n_pages, 0.0f);
+  std::vector<float> score(n_pages, 0.0f), share;
   // Per-head shares m_g(j) = softmax_j(log_mass[g][j]) (Eq. 5), combined across the group.
   for (int g = 0; g < n_group; ++g) {
     const float* lm = log_mass + size_t(g) * n_pages;
@@ -40,17 +40,15 @@ void select_top_pages(const float* log_mass, int n_group, int n_pages, int budge
       for (int j = 0; j < n_pages; ++j) score[j] += lm[j];
       continue;
     }
-    float mx = kNegInf;
-    for (int j = 0; j < n_pages; ++j) mx = std::max(mx, lm[j]);
+    const float mx = max_of(lm, n_pages);
     if (mx == kNegInf) continue;  // head with no finite estimate contributes no share
-    double z = 0.0;
-    for (int j = 0; j < n_pages; ++j) z += std::exp(double(lm[j]) - mx);
-    for (int j = 0; j < n_pages; ++j) {
-      const float share = float(std::exp(double(lm[j]) - mx) / z);
-      if (rule == GroupRule::kShareAverage)
-        score[j] += share / float(n_group);
-      else
-        score[j] = std::max(score[j], share);
+    share.assign(lm, lm + n_pages);
+    const float inv_z = 1.0f / exp_shift_sum(share.data(), n_pages, mx);  // -inf -> share 0
+    if (rule == GroupRule::kShareAverage) {
+      const float w = inv_z / float(n_group);
+      for (int j = 0; j < n_pages; ++j) score[j] += share[j] * w;
+    } else {
+      for (int j = 0; j < n_pages; ++j) score[j] = std::max(score[j], share[j] * inv_z);
     }
   }
   if (rule == GroupRule::kMassSum)
