@@ -21,6 +21,11 @@
 #include "locks/paths.h"
 #include "locks/selector.h"
 #include "locks/session.h"
+// ---- CUDA (`--device cuda`) ----
+#ifdef LOCKS_WITH_CUDA
+#include "locks/cuda/bench.h"
+#endif
+// ---- end CUDA ----
 
 namespace locks::cli {
 
@@ -37,6 +42,13 @@ struct BenchArgs {
   bool skip_attention = false;
   std::string model;
   int threads = 0;
+  // ---- CUDA (`--device cuda`) ----
+  std::string device = "cpu";
+  std::vector<int> batches = {1, 2, 4, 8};
+  std::string csv;
+  bool f16 = false;
+  bool no_pdl = false;
+  // ---- end CUDA ----
 };
 
 using Clock = std::chrono::steady_clock;
@@ -211,23 +223,66 @@ void bench_model(const BenchArgs& a) {
   }
 }
 
+// ---- CUDA (`--device cuda`) ----
+// The GPU benchmark (src/cuda/bench_cuda.cu): issue 3's shapes by default; --contexts / --kv-heads /
+// --group / --head-dim given explicitly select one custom shape instead.
+int bench_cuda(const BenchArgs& a, bool custom_shape, bool budget_given, bool runs_given) {
+#ifdef LOCKS_WITH_CUDA
+  cuda::BenchOptions o;
+  if (custom_shape) o.shapes = {{"custom", a.n_head_kv, a.n_group, a.head_dim, a.contexts}};
+  o.batches = a.batches;
+  o.budget_tokens = budget_given ? a.budget : 2048;
+  if (runs_given) o.runs = a.runs;
+  o.csv = a.csv;
+  o.bf16 = !a.f16;
+  o.pdl = !a.no_pdl;
+  return cuda::run_bench(o);
+#else
+  (void)a;
+  (void)custom_shape;
+  (void)budget_given;
+  (void)runs_given;
+  throw std::runtime_error(
+      "--device cuda: this locks was built without CUDA (no CUDA compiler at configure time; install the CUDA "
+      "toolkit and reconfigure so CMake builds locks_cuda)");
+#endif
+}
+// ---- end CUDA ----
+
 }  // namespace
 
 Runner add_bench(CLI::App& app) {
   auto a = std::make_shared<BenchArgs>();
-  app.add_option("--contexts", a->contexts, "context lengths in tokens for the attention benchmark")
+  CLI::Option* o_ctx = app.add_option("--contexts", a->contexts, "context lengths in tokens for the attention benchmark")
       ->check(CLI::Range(32, 1 << 24));
-  app.add_option("--kv-heads", a->n_head_kv, "KV heads")->check(CLI::Range(1, 64));
-  app.add_option("--group", a->n_group, "query heads per KV head (G)")->check(CLI::Range(1, 64));
-  app.add_option("--head-dim", a->head_dim, "head dimension (multiple of 8, <= 256)")->check(CLI::Range(8, 256));
-  app.add_option("-b,--budget", a->budget, "LOCKS budget in tokens (multiple of 16)")->check(CLI::Range(32, 1 << 24));
-  app.add_option("--runs", a->runs, "timed runs per context (median reported)")->check(CLI::Range(1, 10000));
+  CLI::Option* o_kv = app.add_option("--kv-heads", a->n_head_kv, "KV heads")->check(CLI::Range(1, 64));
+  CLI::Option* o_grp = app.add_option("--group", a->n_group, "query heads per KV head (G)")->check(CLI::Range(1, 64));
+  CLI::Option* o_hd =
+      app.add_option("--head-dim", a->head_dim, "head dimension (multiple of 8, <= 256)")->check(CLI::Range(8, 256));
+  CLI::Option* o_bud = app.add_option("-b,--budget", a->budget, "LOCKS budget in tokens (multiple of 16)")
+                           ->check(CLI::Range(32, 1 << 24));
+  CLI::Option* o_runs =
+      app.add_option("--runs", a->runs, "timed runs per context (median reported)")->check(CLI::Range(1, 10000));
+  // ---- CUDA (`--device cuda`) ----
+  app.add_option("--device", a->device, "cpu (default) or cuda: the GPU kernels, issue 3's shapes unless "
+                                        "--contexts/--kv-heads/--group/--head-dim are given; budget 2048")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--batches", a->batches, "cuda: batch sizes")->check(CLI::Range(1, 256));
+  app.add_option("--csv", a->csv, "cuda: also write the results as CSV to this path");
+  app.add_flag("--f16", a->f16, "cuda: f16 KV instead of bf16");
+  app.add_flag("--no-pdl", a->no_pdl, "cuda: launch the step's kernels without programmatic dependent launch");
+  // ---- end CUDA ----
   app.add_option("-m,--model", a->model, "GGUF model for the engine benchmark");
   app.add_flag("--skip-model", a->skip_model, "only the attention benchmark");
   app.add_flag("--skip-attention", a->skip_attention, "only the engine benchmark");
   app.add_option("--threads", a->threads, "CPU threads (default: all cores)")->check(CLI::Range(1, 1024));
-  return [a] {
+  return [a, o_ctx, o_kv, o_grp, o_hd, o_bud, o_runs] {
     if (a->budget % 16 != 0) throw CLI::ValidationError("--budget", "must be a multiple of 16");
+    // ---- CUDA (`--device cuda`) ----
+    if (a->device == "cuda")
+      return bench_cuda(*a, o_ctx->count() + o_kv->count() + o_grp->count() + o_hd->count() > 0, o_bud->count() > 0,
+                        o_runs->count() > 0);
+    // ---- end CUDA ----
     if (a->head_dim % 8 != 0) throw CLI::ValidationError("--head-dim", "must be a multiple of 8");
     if (a->threads > 0) omp_set_num_threads(a->threads);
     if (!a->skip_attention) bench_attention(*a);

@@ -28,6 +28,8 @@ struct RunArgs {
   std::string selector = "locks";
   int budget = 512;
   int rank = 8;
+  int basis_bits = 4;
+  std::string group_rule = "share-average";
   int max_tokens = 32;
   float temperature = 0.0f;
   float top_p = 1.0f;
@@ -73,6 +75,8 @@ int run(const RunArgs& a) {
   sc.selector = a.selector;
   sc.budget_tokens = a.budget;
   sc.selector_opts.summary.rank = a.rank;
+  sc.selector_opts.summary.basis_bits = a.basis_bits;
+  sc.selector_opts.group_rule = parse_group_rule(a.group_rule);
   sc.kv_dtype = parse_kv_dtype(a.kv_dtype);
   sc.n_ctx = a.n_ctx;
   Session session(model, sc);
@@ -132,22 +136,26 @@ Runner add_run(CLI::App& app) {
   app.add_option("-m,--model", a->model, "GGUF model (default: models/locks-ref-a-q8_0.gguf)");
   app.add_option("-p,--prompt", a->prompt, "prompt text");
   app.add_option("-f,--prompt-file", a->prompt_file, "prompt file, '-' for stdin (default: examples/needle-8k.txt)");
-  app.add_option("-s,--selector", a->selector, "page selector: full (dense), oracle (exact page LSE), locks")
-      ->check(CLI::IsMember({"full", "oracle", "locks"}));
+  app.add_option("-s,--selector", a->selector, "page selector (full = dense, oracle = exact page LSE, locks, baselines)")
+      ->check(CLI::IsMember(selector_names()))->capture_default_str();
   app.add_option("-b,--budget", a->budget, "attention budget per KV head in tokens (multiple of 16, >= 32)")
-      ->check(CLI::Range(32, 1 << 26));
-  app.add_option("-r,--rank", a->rank, "LOCKS summary rank r (1..16)")->check(CLI::Range(1, 16));
-  app.add_option("-n,--max-tokens", a->max_tokens, "tokens to generate")->check(CLI::Range(0, 1 << 24));
-  app.add_option("-t,--temperature", a->temperature, "sampling temperature (0 = greedy)")->check(CLI::Range(0.0, 100.0));
-  app.add_option("--top-p", a->top_p, "nucleus sampling threshold in (0, 1]")->check(CLI::Range(1e-6, 1.0));
-  app.add_option("--seed", a->seed, "sampling seed");
+      ->check(CLI::Range(32, 1 << 26))->capture_default_str();
+  app.add_option("-r,--rank", a->rank, "LOCKS summary rank r (1..16)")->check(CLI::Range(1, 16))->capture_default_str();
+  app.add_option("--basis-bits", a->basis_bits, "LOCKS basis precision: 32 (f32), 16 (bf16), 8, 4 or 2 bits")
+      ->check(CLI::IsMember({32, 16, 8, 4, 2}))->capture_default_str();
+  app.add_option("--group-rule", a->group_rule, "how the GQA group shares one page set: share-average, max, mass-sum")
+      ->check(CLI::IsMember({"share-average", "max", "mass-sum"}))->capture_default_str();
+  app.add_option("-n,--max-tokens", a->max_tokens, "tokens to generate")->check(CLI::Range(0, 1 << 24))->capture_default_str();
+  app.add_option("-t,--temperature", a->temperature, "sampling temperature (0 = greedy)")->check(CLI::Range(0.0, 100.0))->capture_default_str();
+  app.add_option("--top-p", a->top_p, "nucleus sampling threshold in (0, 1]")->check(CLI::Range(1e-6, 1.0))->capture_default_str();
+  app.add_option("--seed", a->seed, "sampling seed")->capture_default_str();
   app.add_option("--threads", a->threads, "CPU threads (default: all cores)")->check(CLI::Range(1, 1024));
   app.add_option("--decode-tail", a->decode_tail,
                  "the last N prompt tokens go through the decode path (selection runs on them) instead of prefill "
                  "(default: 0; 24 for the default prompt, its question)")
       ->check(CLI::Range(0, 1 << 26));
   app.add_option("-c,--ctx", a->n_ctx, "context size in tokens (default: the model's)")->check(CLI::Range(1, 1 << 26));
-  app.add_option("--kv-dtype", a->kv_dtype, "KV cache storage: f16 or f32")->check(CLI::IsMember({"f16", "f32"}));
+  app.add_option("--kv-dtype", a->kv_dtype, "KV cache storage: f16 or f32")->check(CLI::IsMember({"f16", "f32"}))->capture_default_str();
   app.add_flag("--json", a->json, "print one JSON object instead of streamed text and a stats line");
   return [a] {
     if (a->budget % 16 != 0)

@@ -14,7 +14,8 @@ namespace locks {
 ///   pages: positions in seq.page_table (any order; the last page may be partial)
 ///   o:     [n_group][head_dim] float32 output
 ///   lse:   [n_group] log-sum-exp of the scaled logits over the listed tokens (nullable)
-/// An empty page list gives o = 0 and lse = -inf (never NaN).
+/// An empty page list gives o = 0 and lse = -inf (never NaN). Throws std::invalid_argument when
+/// page_size > 32 or page_size * head_dim > 8192 (the kernel's per-page buffers).
 void paged_decode_attention(const PagedKvCache& cache, int il, int kv_head, const KvSequence& seq,
                             std::span<const int32_t> pages, const float* q, int n_group, float scale, float* o,
                             float* lse);

@@ -14,6 +14,8 @@
 
 namespace locks {
 
+struct GlobalBasis;  // locks/shared_basis.h
+
 /// How per-head page scores become one shared choice for the GQA group.
 enum class GroupRule {
   kShareAverage,  // Eq. 5: mean over heads of per-head softmax shares (LOCKS default; Cor. 3)
@@ -31,6 +33,7 @@ struct SelectionRequest {
   int kv_head = 0;
   const KvSequence* seq = nullptr;
   int budget_pages = 32;     // k (>= 2): sink + recent + top-(k-2)
+  bool want_estimates = false;  // fill Selection::log_mass (evaluation probes only)
 };
 
 /// Selected pages as positions in the sequence's page table (ascending), plus the bytes the
@@ -39,6 +42,9 @@ struct Selection {
   std::vector<int32_t> pages;
   size_t bytes_read = 0;
   bool all_pages = false;  // true when every page was kept (budget covers the sequence, or dense)
+  /// [n_group][n_pages] the selector's page log-mass estimates, when the request asked for them
+  /// and the selector scores pages (empty for full / streaming).
+  std::vector<float> log_mass;
 };
 
 class Selector {
@@ -52,15 +58,27 @@ class Selector {
   virtual void select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out) = 0;
   /// Deep copy (metadata included), so an evaluation can fork a prefilled sequence.
   virtual std::unique_ptr<Selector> clone() const = 0;
+  /// Keys of a full page as the selector's metadata represents them (e.g. LOCKS: mu + V c_i),
+  /// out: [B][head_dim]. Returns false when the selector keeps no per-token reconstruction.
+  virtual bool reconstruct_keys(int il, int kv_head, int32_t page, float* out) const { return false; }
 };
 
 struct SelectorOptions {
   SummaryFormat summary;                       // LOCKS summary format (rank, precisions)
   GroupRule group_rule = GroupRule::kShareAverage;
+  // Baselines. `centroid` stores its mean at summary.centroid_bits; `second-moment` uses
+  // summary.rank / basis_bits / centroid_bits; the shared-basis scopes store centroids and
+  // coefficients at summary.centroid_bits / coef_bits.
+  int shared_rank = 0;  // rho of sequence-basis / global-basis; 0 = matched bytes (matched_bytes_rank)
+  std::shared_ptr<const GlobalBasis> global_basis;  // required by "global-basis" (calibrate_global_basis)
 };
 
-/// Construct a selector by name: "full", "oracle", "locks". `cache_cfg` sizes per-page metadata.
-/// Throws std::invalid_argument listing the known names when `name` is unknown.
+/// Construct a selector by name: "full", "oracle", "locks", and the baselines "quest", "centroid",
+/// "second-moment", "sequence-basis", "global-basis", "streaming" (src/selectors/*.cpp document
+/// their estimates and byte counts). `cache_cfg` sizes per-page metadata.
+/// Throws std::invalid_argument listing the known names when `name` is unknown, and naming the
+/// problem for bad options (global-basis without a calibrated basis or with mismatched shapes, a
+/// shared rank outside [1, head_dim], an invalid summary format).
 std::unique_ptr<Selector> make_selector(const std::string& name, const KvCacheConfig& cache_cfg,
                                         const SelectorOptions& opts = {});
 /// Names accepted by make_selector.

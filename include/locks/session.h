@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "locks/fidelity.h"
 #include "locks/kv_cache.h"
 #include "locks/model.h"
 #include "locks/selector.h"
@@ -61,6 +62,9 @@ class Session {
   const Selector& selector() const { return *selector_; }
   const LlamaModel& model() const { return model_; }
   int budget_pages() const { return budget_pages_; }
+  /// Attach an evaluation probe that sees every (layer, KV head) selection of later decode steps
+  /// (nullptr detaches). Not owned; must outlive its use. Costs a dense pass per step.
+  void set_probe(FidelityProbe* probe) { probe_ = probe; }
 
  private:
   void forward(std::span<const int32_t> tokens, bool decode_step);
@@ -76,6 +80,7 @@ class Session {
   std::vector<double> inv_freq_;  // RoPE: base^(-2i/n_rot)
   std::vector<float> logits_;
   DecodeTotals totals_;
+  FidelityProbe* probe_ = nullptr;
 };
 
 }  // namespace locks

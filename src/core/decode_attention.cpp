@@ -2,7 +2,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
 #include <vector>
+
+#include <fmt/format.h>
 
 #include "locks/attention.h"
 #include "locks/math.h"
@@ -14,11 +17,17 @@ void paged_decode_attention(const PagedKvCache& cache, int il, int kv_head, cons
                             float* lse) {
   const auto& cfg = cache.config();
   const int d = cfg.head_dim, B = cfg.page_size;
-  alignas(64) float kbuf[32 * 256];
-  alignas(64) float vbuf[32 * 256];
+  constexpr int kMaxPage = 32, kMaxPageElems = 32 * 256;  // fixed stack buffers below
+  if (B > kMaxPage || size_t(B) * d > size_t(kMaxPageElems))
+    throw std::invalid_argument(fmt::format(
+        "paged_decode_attention: page_size {} x head_dim {} exceeds the kernel's limits (page_size <= {}, "
+        "page_size * head_dim <= {})",
+        B, d, kMaxPage, kMaxPageElems));
+  alignas(64) float kbuf[kMaxPageElems];
+  alignas(64) float vbuf[kMaxPageElems];
   std::vector<SoftmaxState> st(n_group);
   std::fill(o, o + size_t(n_group) * d, 0.0f);
-  float logits[32];
+  float logits[kMaxPage];
   for (const int32_t j : pages) {
     const int n_tok = j == seq.n_pages() - 1 ? seq.n_tokens - j * B : B;
     const int32_t page = seq.page_table[j];

@@ -23,6 +23,8 @@ PagedKvCache::PagedKvCache(const KvCacheConfig& cfg) : cfg_(cfg) {
     throw std::invalid_argument(fmt::format(
         "KV cache config: n_layer={}, n_head_kv={}, head_dim={}, page_size={}, n_pages={} must all be positive",
         cfg.n_layer, cfg.n_head_kv, cfg.head_dim, cfg.page_size, cfg.n_pages));
+  if (cfg.page_size > 32)
+    throw std::invalid_argument(fmt::format("KV cache config: page_size {} > 32 (the CPU kernels' limit)", cfg.page_size));
   const double bytes = 2.0 * cfg.n_layer * cfg.n_pages * cfg.n_head_kv * double(block_elems()) *
                        double(kv_dtype_bytes(cfg.dtype));
   if (bytes > 0.5 * double(std::numeric_limits<size_t>::max()))

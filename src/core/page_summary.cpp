@@ -266,16 +266,19 @@ float summary_log_mass(const PageSummaryF32& s, const float* q, int d, float sca
 
 float exact_log_mass(const float* keys, int n_tok, const float* q, int d, float scale) {
   if (n_tok <= 0) return kNegInf;
-  double logits[kMaxPage], m = -INFINITY;
+  if (n_tok > kMaxPage) throw std::invalid_argument(fmt::format("exact_log_mass: {} tokens > {}", n_tok, kMaxPage));
+  // float32 throughout (vectorized): the oracle calls this for every page of every head each step.
+  float logits[kMaxPage];
+  float m = kNegInf;
   for (int i = 0; i < n_tok; ++i) {
-    double acc = 0.0;
-    for (int c = 0; c < d; ++c) acc += double(q[c]) * keys[size_t(i) * d + c];
+    const float* k = keys + size_t(i) * d;
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int c = 0; c < d; ++c) acc += q[c] * k[c];
     logits[i] = acc * scale;
     m = std::max(m, logits[i]);
   }
-  double l = 0.0;
-  for (int i = 0; i < n_tok; ++i) l += std::exp(logits[i] - m);
-  return float(m + std::log(l));
+  return m + std::log(exp_shift_sum(logits, n_tok, m));
 }
 
 PageSummaryStore::PageSummaryStore(const SummaryFormat& fmt, int n_layer, int n_head_kv, int n_pages, int page_size,
@@ -304,8 +307,10 @@ void PageSummaryStore::store(int il, int kv_head, int32_t page, const PageSummar
   const size_t idx = index(il, kv_head, page);
   const int r = fmt_.rank, d = d_;
   const int n_rows = int(s.coef.size()) / r;
-  if (int(s.basis.size()) != r * d || int(s.centroid.size()) != d || n_rows > B_)
-    throw std::invalid_argument("page summary: shape does not match the store format");
+  if (int(s.basis.size()) != r * d || int(s.centroid.size()) != d || n_rows != B_)
+    throw std::invalid_argument(fmt::format(
+        "page summary store: expects a full page summary of {} rows, rank {}, head_dim {} (got {} rows)", B_, r, d,
+        n_rows));
 
   uint8_t* bdst = basis_.data() + idx * basis_stride_;
   if (fmt_.basis_bits == 32) {

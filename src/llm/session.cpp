@@ -107,7 +107,8 @@ Session::Session(const Session& o)
       selector_(o.selector_->clone()),
       inv_freq_(o.inv_freq_),
       logits_(o.logits_),
-      totals_(o.totals_) {}
+      totals_(o.totals_),
+      probe_(nullptr) {}
 
 int Session::check_budget(int budget_tokens, int B) {
   if (budget_tokens < 2 * B || budget_tokens % B != 0)
@@ -203,6 +204,7 @@ void Session::forward(std::span<const int32_t> tokens, bool decode_step) {
         req.kv_head = h;
         req.seq = &seq_;
         req.budget_pages = budget_pages_;
+        req.want_estimates = probe_ && probe_->enabled;
         selector_->select(cache_, req, sel[h]);
       }
       const auto t_att = Clock::now();
@@ -212,6 +214,11 @@ void Session::forward(std::span<const int32_t> tokens, bool decode_step) {
         paged_decode_attention(cache_, il, h, seq_, sel[h].pages, &q[size_t(h) * G * HD], G, scale,
                                &att[size_t(h) * G * HD], nullptr);
       totals_.attend_seconds += seconds_since(t_att);
+      if (probe_ && probe_->enabled) {
+#pragma omp parallel for schedule(static) if (NKV > 1)
+        for (int h = 0; h < NKV; ++h)
+          probe_->observe(cache_, seq_, *selector_, il, h, &q[size_t(h) * G * HD], G, budget_pages_, sel[h]);
+      }
       for (int h = 0; h < NKV; ++h) {
         totals_.bytes_read += double(sel[h].bytes_read);
         for (int32_t j : sel[h].pages) totals_.bytes_read += double(cache_.kv_bytes(j == seq_.n_pages() - 1 ? seq_.n_tokens - j * B : B));

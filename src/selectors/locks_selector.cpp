@@ -3,6 +3,7 @@
 #include "selectors/selectors.h"
 
 #include <cmath>
+#include <exception>
 #include <vector>
 
 namespace locks {
@@ -15,15 +16,23 @@ std::string LocksSelector::name() const { return "locks"; }
 void LocksSelector::on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) {
   const auto& cfg = cache.config();
   const int n = static_cast<int>(page_ids.size()) * cfg.n_head_kv;
-  // Alg. 1 for every (page, KV head): independent, so batched across cores.
+  // Alg. 1 for every (page, KV head): independent, so batched across cores. An exception may not
+  // leave an OpenMP region, so the first one is carried out and rethrown.
+  std::exception_ptr error;
 #pragma omp parallel for schedule(dynamic, 4) if (n > 8)
   for (int t = 0; t < n; ++t) {
-    const int32_t page = page_ids[t / cfg.n_head_kv];
-    const int h = t % cfg.n_head_kv;
-    std::vector<float> keys(size_t(cfg.page_size) * cfg.head_dim);
-    cache.k_page_f32(il, page, h, keys.data());
-    store_.store(il, h, page, build_page_summary(keys.data(), cfg.page_size, cfg.head_dim, store_.format().rank));
+    try {
+      const int32_t page = page_ids[t / cfg.n_head_kv];
+      const int h = t % cfg.n_head_kv;
+      std::vector<float> keys(size_t(cfg.page_size) * cfg.head_dim);
+      cache.k_page_f32(il, page, h, keys.data());
+      store_.store(il, h, page, build_page_summary(keys.data(), cfg.page_size, cfg.head_dim, store_.format().rank));
+    } catch (...) {
+#pragma omp critical(locks_summary_error)
+      if (!error) error = std::current_exception();
+    }
   }
+  if (error) std::rethrow_exception(error);
 }
 
 void LocksSelector::select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out) {
@@ -54,6 +63,20 @@ void LocksSelector::select(const PagedKvCache& cache, const SelectionRequest& re
   select_top_pages(log_mass.data(), req.n_group, n_pages, req.budget_pages, rule_, out.pages);
   out.bytes_read = bytes;
   out.all_pages = int(out.pages.size()) == n_pages;
+  if (req.want_estimates) out.log_mass = std::move(log_mass);
+}
+
+bool LocksSelector::reconstruct_keys(int il, int kv_head, int32_t page, float* out) const {
+  if (!store_.has(il, kv_head, page)) return false;
+  const PageSummaryF32 s = store_.load(il, kv_head, page);
+  const int r = store_.format().rank, d = int(s.centroid.size()), B = int(s.coef.size()) / r;
+  for (int i = 0; i < B; ++i)
+    for (int c = 0; c < d; ++c) {
+      float acc = s.centroid[c];
+      for (int k = 0; k < r; ++k) acc += s.coef[size_t(i) * r + k] * s.basis[size_t(k) * d + c];
+      out[size_t(i) * d + c] = acc;
+    }
+  return true;
 }
 
 }  // namespace locks

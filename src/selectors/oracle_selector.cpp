@@ -24,6 +24,7 @@ void OracleSelector::select(const PagedKvCache& cache, const SelectionRequest& r
   select_top_pages(log_mass.data(), req.n_group, n_pages, req.budget_pages, rule_, out.pages);
   out.bytes_read = bytes;
   out.all_pages = int(out.pages.size()) == n_pages;
+  if (req.want_estimates) out.log_mass = std::move(log_mass);
 }
 
 }  // namespace locks

@@ -54,6 +54,13 @@ void select_top_pages(const float* log_mass, int n_group, int n_pages, int budge
   if (rule == GroupRule::kMassSum)
     for (int j = 0; j < n_pages; ++j)
       if (std::isnan(score[j])) score[j] = kNegInf;
+  // A page no head could estimate (-inf everywhere) ranks below every finite page, even one whose
+  // share underflowed to 0.
+  for (int j = 0; j < n_pages; ++j) {
+    bool finite = false;
+    for (int g = 0; g < n_group && !finite; ++g) finite = log_mass[size_t(g) * n_pages + j] > kNegInf;
+    if (!finite) score[j] = rule == GroupRule::kMassSum ? kNegInf : -1.0f;
+  }
   if (scores_out) *scores_out = score;
 
   if (n_pages <= k) {

@@ -1,0 +1,232 @@
+// LOCKS on CUDA (sm_90a): batched page-summary build (Alg. 1), fused score pass (Eq. 4, one read
+// of each summary for the whole GQA group), group-average shares + exact top-k with sink and recent
+// pages (Eq. 5, Alg. 2 lines 6-9), sparse and dense paged decode attention (split-K + LSE merge).
+//
+// Every kernel has a Params struct and a host wrapper `cudaError_t fn(const Params&, cudaStream_t)`
+// that only enqueues work: no allocation, no host synchronisation, so a whole decode step
+// (score -> select -> attention -> merge) can be captured in a CUDA graph. Wrappers return the
+// launch error (cudaGetLastError) or cudaErrorInvalidValue for shapes they do not support.
+//
+// Device layouts (all pointers are device memory):
+//   KV pool, per layer:   K, V [n_pages_pool][n_head_kv][16][head_dim] f16 or bf16 (the CPU
+//                         PagedKvCache layout of one layer, so a layer uploads with one memcpy).
+//   Page table (CSR, FlashInfer): indptr [batch + 1], indices [indptr[batch]] page ids,
+//                         last_page_len [batch] in 1..16 (tokens in the last page). int32.
+//                         Sequence b has n_pages_b = indptr[b+1] - indptr[b] pages, position j of
+//                         its page table is page id indices[indptr[b] + j].
+//   Summaries, per layer: one record of summary_record_bytes(head_dim) bytes per (KV head, page id),
+//                         records[(kv_head * n_pages_pool + page) * record_bytes] (832 B at d = 128,
+//                         512 B at d = 64, 16-byte aligned), plus tails[kv_head * n_pages_pool + page]
+//                         float (tau, diagnostics only). Format: rank 8, int4 basis with one f16
+//                         scale per column, int8 coefficients with one f16 scale per token, int8
+//                         centroid with one f16 scale: the CPU SummaryFormat{8, 4, 8, 8}, stored in
+//                         the order the score kernel's lanes read it (see pack_summary_record).
+//   Queries:              q [batch][n_head_kv * group][head_dim] float32, post-RoPE; query head
+//                         n uses KV head n / group (llama.cpp / HF GQA order).
+// Supported: head_dim 64 or 128; group 1..16 (any value, 5, 6, 7 included); page size 16.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace locks::cuda {
+
+constexpr int kPageSize = 16;     // B
+constexpr int kSummaryRank = 8;   // r
+constexpr int kMaxGroup = 16;     // G
+constexpr int kHistBins = 2048;   // top-k histogram over share bits 30..20
+
+enum class KvType : int { kF16 = 0, kBF16 = 1 };
+
+/// Bytes of one summary record on the device (832 at head_dim 128, 512 at 64).
+size_t summary_record_bytes(int head_dim);
+
+/// One layer's paged KV cache on the device with its CSR page table.
+struct PagedKvView {
+  const void* k = nullptr;                 // [n_pages_pool][n_head_kv][16][head_dim]
+  const void* v = nullptr;                 // same
+  KvType dtype = KvType::kF16;
+  int n_head_kv = 0;
+  int head_dim = 0;                        // 64 or 128
+  int batch = 0;                           // sequences
+  const int32_t* indptr = nullptr;         // [batch + 1]
+  const int32_t* indices = nullptr;        // [indptr[batch]] page ids
+  const int32_t* last_page_len = nullptr;  // [batch], 1..16
+};
+
+// ----------------------------------------------------------------------------------------------
+/// Alg. 1 for a batch of pages, every KV head: centroid, 16x16 Gram eigendecomposition (parallel
+/// cyclic Jacobi in float64, one warp per (page, KV head)), rank-8 basis / coefficients / tail,
+/// quantized on the fly. Pages of identical keys or rank < 8 give zero basis columns (exact, no NaN).
+/// Launch contract: grid = ceil(n_pages * n_head_kv / 4) CTAs of 128 threads, ~13 KB (d 128) shared
+/// memory per warp; reads 16 * head_dim * 2 bytes of K per item, writes one record + one tail.
+struct SummaryBuildParams {
+  const void* k = nullptr;          // K pool of the layer (see PagedKvView)
+  KvType dtype = KvType::kF16;
+  int n_head_kv = 0;
+  int head_dim = 0;
+  const int32_t* pages = nullptr;   // [n_pages] page ids to summarise (full pages)
+  int n_pages = 0;
+  int n_pages_pool = 0;
+  uint8_t* records = nullptr;       // [n_head_kv][n_pages_pool][record_bytes]
+  float* tails = nullptr;           // [n_head_kv][n_pages_pool], nullable
+};
+cudaError_t summary_build(const SummaryBuildParams& p, cudaStream_t stream);
+
+// ----------------------------------------------------------------------------------------------
+/// Eq. 4 for every page of every sequence and KV head, all G query heads from one read of each
+/// summary: log_mass[b][h][g][j] = s_hat_j(q_g). The last page of a sequence, when partial
+/// (last_page_len < 16), has no summary: its exact log-mass is computed from its keys, as the CPU
+/// selector does. Also produces the per-head normaliser of the shares (Eq. 5):
+/// lse_total[b][h][g] = logsumexp_j log_mass[b][h][g][j].
+/// Launch contract: grid (n_chunks, n_head_kv, batch), 128 threads; CTA (c, h, b) scores positions
+/// [c * chunk_pages, (c + 1) * chunk_pages) with one warp per 8 pages (tensor cores: Q x basis,
+/// Q x centroid, W x coefficients), writes per-chunk (max, sum) and the last CTA of (b, h) merges
+/// them (counters[b * n_head_kv + h] must be 0 before the first launch; left 0 afterwards).
+struct ScoreParams {
+  const float* q = nullptr;            // [batch][n_head_kv * group][head_dim]
+  PagedKvView kv;                      // page table; K read only for partial last pages
+  const uint8_t* summaries = nullptr;  // records of this layer
+  int n_pages_pool = 0;
+  int group = 1;                       // G, 1..16
+  float scale = 0.0f;                  // softmax scale, usually 1/sqrt(head_dim)
+  int chunk_pages = 0;                 // multiple of 32
+  int n_chunks = 0;                    // >= ceil(max_b n_pages_b / chunk_pages)
+  float* log_mass = nullptr;           // out [batch][n_head_kv][group][log_mass_stride]
+  int log_mass_stride = 0;             // >= max_b n_pages_b, multiple of 8
+  float* lse_total = nullptr;          // out [batch][n_head_kv][group]
+  float* chunk_stats = nullptr;        // workspace [batch][n_head_kv][n_chunks][16][2]
+  uint32_t* counters = nullptr;        // workspace [batch][n_head_kv], zero-initialised
+  bool pdl = false;                    // launch with programmatic dependent launch
+};
+cudaError_t score_pages(const ScoreParams& p, cudaStream_t stream);
+
+// ----------------------------------------------------------------------------------------------
+/// Group-average shares and the selected set (Alg. 2 lines 6-9): share m_bar_j = mean_g
+/// exp(log_mass[g][j] - lse_total[g]); keep page 0 (sink), page n-1 (recent) and the top-(k-2) other
+/// pages by share, ties to the lower page index (exact: a 2048-bin histogram of the share's float
+/// bits narrows the threshold, then a radix select on (share bits, ~index) resolves it). Output
+/// positions ascending; n_b <= k selects every page. Two kernels: shares + histogram (grid
+/// (ceil(stride / 256), n_head_kv, batch) x 256 threads) and select (grid (n_head_kv, batch) x 1024
+/// threads, one CTA per GQA group). hist must be zero before the first launch; left zero afterwards.
+struct SelectParams {
+  int batch = 0;
+  int n_head_kv = 0;
+  int group = 1;
+  const int32_t* indptr = nullptr;      // [batch + 1] (n_pages_b)
+  const float* log_mass = nullptr;      // [batch][n_head_kv][group][log_mass_stride]
+  int log_mass_stride = 0;
+  const float* lse_total = nullptr;     // [batch][n_head_kv][group]
+  int budget_pages = 2;                 // k >= 2
+  uint32_t* keys = nullptr;             // workspace [batch][n_head_kv][log_mass_stride]
+  uint32_t* hist = nullptr;             // workspace [batch][n_head_kv][kHistBins], zero-initialised
+  int32_t* selected = nullptr;          // out [batch][n_head_kv][budget_pages] page positions
+  int32_t* n_selected = nullptr;        // out [batch][n_head_kv] = min(k, n_pages_b)
+  float* shares = nullptr;              // optional out [batch][n_head_kv][log_mass_stride]
+  bool pdl = false;
+};
+cudaError_t select_pages(const SelectParams& p, cudaStream_t stream);
+
+// ----------------------------------------------------------------------------------------------
+/// Exact decode attention of each GQA group over a list of its pages (sparse: `selected`, as
+/// select_pages writes it; dense: every page when `selected` is null). One CTA per (split, KV head,
+/// sequence) handles the whole group (G query heads as the rows of m16n8k16 MMAs, K and V read once
+/// for the group, f32 accumulation); splits are merged by log-sum-exp in the last CTA of each
+/// (sequence, KV head). The partial last page is masked to last_page_len tokens. An empty page list
+/// gives o = 0 and lse = -inf.
+/// Launch contract: grid (n_splits, n_head_kv, batch) x 128 threads; split s handles list entries
+/// [s * pages_per_split, (s + 1) * pages_per_split), n_splits >= ceil(max list length /
+/// pages_per_split). counters must be zero before the first launch; left zero afterwards.
+struct AttentionParams {
+  const float* q = nullptr;            // [batch][n_head_kv * group][head_dim]
+  PagedKvView kv;
+  int group = 1;
+  float scale = 0.0f;
+  const int32_t* selected = nullptr;   // [batch][n_head_kv][selected_stride] positions, or null
+  const int32_t* n_selected = nullptr; // [batch][n_head_kv]
+  int selected_stride = 0;
+  int pages_per_split = 0;             // >= 1
+  int n_splits = 0;
+  float* o = nullptr;                  // out [batch][n_head_kv * group][head_dim] float32
+  float* lse = nullptr;                // out [batch][n_head_kv * group] natural log, nullable
+  float* partial_o = nullptr;          // workspace [batch][n_head_kv][n_splits][16][head_dim]
+  float* partial_lse = nullptr;        // workspace [batch][n_head_kv][n_splits][16]
+  uint32_t* counters = nullptr;        // workspace [batch][n_head_kv], zero-initialised
+  bool pdl = false;
+};
+cudaError_t paged_decode_attention(const AttentionParams& p, cudaStream_t stream);
+
+// ----------------------------------------------------------------------------------------------
+/// Plan/run for a whole LOCKS (or dense) decode step of one layer. The plan fixes the grid sizes
+/// for an upper bound on the pages per sequence, so one captured graph replays for any lengths
+/// up to it. The workspace is one device allocation of `workspace_bytes`.
+struct DecodeShape {
+  int batch = 1;
+  int n_head_kv = 1;
+  int group = 1;
+  int head_dim = 128;
+  KvType dtype = KvType::kF16;
+  int max_pages = 1;         // upper bound on n_pages_b
+  int budget_pages = 128;    // k (LOCKS budget in pages, b = 16 k tokens)
+};
+struct DecodePlan {
+  DecodeShape shape;
+  int n_sm = 0;
+  int score_chunk_pages = 0, score_chunks = 0;
+  int log_mass_stride = 0;
+  int sparse_pages_per_split = 0, sparse_splits = 0;
+  int dense_pages_per_split = 0, dense_splits = 0;
+  bool pdl = true;
+  size_t workspace_bytes = 0;
+  // Byte offsets inside the workspace.
+  size_t off_log_mass = 0, off_lse_total = 0, off_chunk_stats = 0, off_keys = 0, off_hist = 0,
+         off_selected = 0, off_n_selected = 0, off_partial_o = 0, off_partial_lse = 0,
+         off_counters = 0;
+  size_t counters_bytes = 0;
+};
+/// Throws std::invalid_argument for unsupported shapes (head_dim, group, budget).
+DecodePlan make_decode_plan(const DecodeShape& shape, int device = -1);
+/// Zero the counters and histograms of a fresh workspace (once, before the first step).
+cudaError_t init_decode_workspace(const DecodePlan& plan, void* workspace, cudaStream_t stream);
+
+/// LOCKS step: score_pages -> select_pages -> sparse paged_decode_attention (+ merge).
+struct DecodeStepParams {
+  const float* q = nullptr;            // [batch][n_head_kv * group][head_dim]
+  PagedKvView kv;
+  const uint8_t* summaries = nullptr;
+  int n_pages_pool = 0;
+  float scale = 0.0f;
+  float* o = nullptr;                  // [batch][n_head_kv * group][head_dim]
+  float* lse = nullptr;                // nullable
+  void* workspace = nullptr;
+};
+cudaError_t locks_decode_step(const DecodePlan& plan, const DecodeStepParams& p, cudaStream_t stream);
+/// Dense step over every page (same kernel, more splits).
+cudaError_t dense_decode_step(const DecodePlan& plan, const DecodeStepParams& p, cudaStream_t stream);
+
+/// Views into a plan's workspace (for tests and diagnostics).
+float* plan_log_mass(const DecodePlan& plan, void* ws);
+float* plan_lse_total(const DecodePlan& plan, void* ws);
+int32_t* plan_selected(const DecodePlan& plan, void* ws);
+int32_t* plan_n_selected(const DecodePlan& plan, void* ws);
+
+// ----------------------------------------------------------------------------------------------
+// Host helpers (no device needed).
+
+/// Quantize a float summary exactly as the CPU PageSummaryStore does (f16 scales rounded first,
+/// codes against the rounded scale, round-half-even) and write the device record.
+///   centroid [d], basis [8][d] (row k = basis column k), coef [16][8]; out: record_bytes(d) bytes.
+/// Throws std::invalid_argument on unsupported d or a scale that overflows f16.
+void pack_summary_record(const float* centroid, const float* basis, const float* coef, int d, uint8_t* out);
+/// Dequantize a device record: centroid [d], basis [8][d], coef [16][8].
+void unpack_summary_record(const uint8_t* rec, int d, float* centroid, float* basis, float* coef);
+
+/// True when a CUDA device is usable (tests skip otherwise); `why` says why not.
+bool device_available(std::string* why = nullptr);
+/// "NVIDIA H200, 132 SMs, 141 GB, CUDA 13.0, driver 13.0".
+std::string device_description(int device = -1);
+
+}  // namespace locks::cuda

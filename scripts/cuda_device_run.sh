@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Runs on the lent H200 from the repository root, with build-cuda/dist carried (scripts/cuda_dist.sh).
+#   scripts/cuda_device_run.sh STAGE...   stages: info tests memcheck racecheck bench1 sdpa1 bench sdpa
+# Logs and CSVs go to $OUT. Each stage has its own time limit so the whole call ends in time.
+set -u
+OUT=${OUT:-/tmp/locks-out}
+mkdir -p "$OUT"
+DIST=build-cuda/dist
+export LD_LIBRARY_PATH="$PWD/$DIST/lib:${LD_LIBRARY_PATH:-}"
+export PYTHONUNBUFFERED=1
+# The tests find the reference model through the source path compiled in (/work/main).
+if [ ! -e /work/main/models ]; then mkdir -p /work && ln -sfn "$PWD" /work/main; fi
+SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+T0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
+for stage in "$@"; do
+  case "$stage" in
+    info)
+      nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.limit \
+        --format=csv | tee "$OUT/gpu.txt"
+      nproc; (python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)' || true) ;;
+    tests)
+      stamp tests
+      timeout 180 "$DIST/bin/locks_tests" --gtest_filter='Cuda*' > "$OUT/tests.log" 2>&1; echo "tests rc=$?"
+      grep -E "^\[  (PASSED|FAILED|SKIPPED)|^\[ (summary|score|select|attention|step|real)|Failure|error" \
+        "$OUT/tests.log" | head -80 ;;
+    memcheck)
+      stamp memcheck
+      timeout 100 "$SAN" --tool memcheck --error-exitcode 9 "$DIST/bin/locks_tests" --gtest_filter='Cuda*' \
+        > "$OUT/memcheck.log" 2>&1; echo "memcheck rc=$?"; tail -4 "$OUT/memcheck.log" ;;
+    racecheck)
+      stamp racecheck
+      timeout 90 "$SAN" --tool racecheck --error-exitcode 9 "$DIST/bin/locks_tests" \
+        --gtest_filter='Cuda*:-CudaDecodeStep.LocksStepMatchesCpuOnRealModelKeys' > "$OUT/racecheck.log" 2>&1
+      echo "racecheck rc=$?"; tail -4 "$OUT/racecheck.log" ;;
+    bench1)
+      stamp bench1
+      timeout 120 "$DIST/bin/locks" bench --device cuda --batches 1 --runs 15 --csv "$OUT/ours_b1.csv" \
+        > "$OUT/bench_b1.log" 2>&1; echo "bench rc=$?"; cat "$OUT/bench_b1.log" ;;
+    sdpa1)
+      stamp sdpa1
+      timeout 100 python3 scripts/bench_sdpa.py --batches 1 --runs 15 --csv "$OUT/sdpa_b1.csv" \
+        --ours "$OUT/ours_b1.csv" > "$OUT/sdpa_b1.log" 2>&1; echo "sdpa rc=$?"; cat "$OUT/sdpa_b1.log" ;;
+    bench)
+      stamp bench
+      timeout 300 "$DIST/bin/locks" bench --device cuda --runs 30 --csv "$OUT/ours.csv" > "$OUT/bench.log" 2>&1
+      echo "bench rc=$?"; cat "$OUT/bench.log" ;;
+    sdpa)
+      stamp sdpa
+      timeout 240 python3 scripts/bench_sdpa.py --runs 30 --csv "$OUT/sdpa.csv" --ours "$OUT/ours.csv" \
+        > "$OUT/sdpa.log" 2>&1; echo "sdpa rc=$?"; cat "$OUT/sdpa.log" ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
+stamp done

@@ -1,0 +1,426 @@
+// `locks bench --device cuda`: LOCKS decode step vs our dense paged kernel on the GPU, per layer.
+// Method: synthetic KV with realistic page spectra (a per-page direction plus noise), contiguous page
+// ids, summaries built on the GPU; each step captured in a CUDA graph; the L2 flushed (a 256 MiB
+// read) before every timed run; CUDA events; warm-up, then the median of `runs`; the two paths
+// alternate. Bytes are counted once, from the sizes the kernels read (see count_*).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "common.cuh"
+#include "locks/cuda/bench.h"
+#include "record_layout.h"
+
+namespace locks::cuda {
+
+namespace {
+
+using namespace detail;
+
+void ck(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string("CUDA bench: ") + what + ": " + cudaGetErrorString(e));
+}
+
+struct DevMem {
+  void* p = nullptr;
+  explicit DevMem(size_t bytes) { ck(cudaMalloc(&p, std::max<size_t>(bytes, 16)), "cudaMalloc"); }
+  ~DevMem() { cudaFree(p); }
+  DevMem(const DevMem&) = delete;
+  DevMem& operator=(const DevMem&) = delete;
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(p);
+  }
+};
+
+__device__ __forceinline__ uint32_t hash32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+// Approximately standard normal (sum of 4 uniforms, variance-corrected).
+__device__ __forceinline__ float hnormal(uint32_t seed) {
+  float s = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) s += float(hash32(seed * 4u + uint32_t(i)) >> 8) * (1.0f / 16777216.0f);
+  return (s - 2.0f) * 1.7320508f;
+}
+
+// Keys: per (page, head) a direction (scale 2) plus noise 0.5; values: noise.
+__global__ void fill_kv_kernel(uint16_t* k, uint16_t* v, size_t n_elems, int head_dim, int page_elems_per_head,
+                               bool bf16, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n_elems; i += size_t(gridDim.x) * blockDim.x) {
+    const size_t ph = i / page_elems_per_head;  // (page, head) block
+    const int x = int(i % head_dim);
+    const float base = 2.0f * hnormal(uint32_t(ph * 1315423911u) ^ uint32_t(x * 2654435761u) ^ seed);
+    const float kx = base + 0.5f * hnormal(uint32_t(i) * 3u + seed + 1u);
+    const float vx = hnormal(uint32_t(i) * 5u + seed + 7u);
+    if (bf16) {
+      k[i] = __bfloat16_as_ushort(__float2bfloat16_rn(kx));
+      v[i] = __bfloat16_as_ushort(__float2bfloat16_rn(vx));
+    } else {
+      k[i] = __half_as_ushort(__float2half_rn(kx));
+      v[i] = __half_as_ushort(__float2half_rn(vx));
+    }
+  }
+}
+
+__global__ void fill_q_kernel(float* q, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    q[i] = hnormal(uint32_t(i) * 11u + seed);
+}
+
+// Plain read: every byte once with 16-byte loads; a data-dependent store keeps it alive.
+__global__ void read_kernel(const uint4* src, size_t n, uint32_t* sink) {
+  uint32_t acc = 0;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const uint4 v = __ldcs(src + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x9e3779b9u) *sink = acc;
+}
+__global__ void copy_kernel(const uint4* src, uint4* dst, size_t n) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    __stcs(dst + i, __ldcs(src + i));
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n == 0 ? 0.0 : n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+struct Timer {
+  cudaEvent_t a, b;
+  Timer() {
+    ck(cudaEventCreate(&a), "event");
+    ck(cudaEventCreate(&b), "event");
+  }
+  ~Timer() {
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+  }
+};
+
+struct Flusher {
+  DevMem buf;
+  DevMem sink;
+  size_t n;
+  int grid;
+  explicit Flusher(size_t bytes, int n_sm) : buf(bytes), sink(64), n(bytes / 16), grid(n_sm * 8) {
+    ck(cudaMemset(buf.p, 1, bytes), "flush init");
+  }
+  void run(cudaStream_t s) { read_kernel<<<grid, 512, 0, s>>>(buf.as<uint4>(), n, sink.as<uint32_t>()); }
+};
+
+// Median microseconds of `fn` (enqueue on stream s), L2 flushed before each run.
+template <class Fn>
+double time_us(Flusher& fl, cudaStream_t s, int warmup, int runs, Fn fn) {
+  Timer t;
+  std::vector<double> v;
+  for (int r = -warmup; r < runs; ++r) {
+    fl.run(s);
+    ck(cudaEventRecord(t.a, s), "record");
+    fn();
+    ck(cudaEventRecord(t.b, s), "record");
+    ck(cudaEventSynchronize(t.b), "sync");
+    float ms = 0.0f;
+    ck(cudaEventElapsedTime(&ms, t.a, t.b), "elapsed");
+    if (r >= 0) v.push_back(1000.0 * ms);
+  }
+  return median(v);
+}
+
+cudaGraphExec_t capture(cudaStream_t s, const std::function<void()>& enqueue) {
+  cudaGraph_t g;
+  cudaGraphExec_t e;
+  ck(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "begin capture");
+  enqueue();
+  ck(cudaStreamEndCapture(s, &g), "end capture");
+  ck(cudaGraphInstantiate(&e, g, 0), "instantiate");
+  cudaGraphDestroy(g);
+  return e;
+}
+
+}  // namespace
+
+std::vector<BenchShape> default_bench_shapes() {
+  return {
+      {"llama3.1-8b", 8, 4, 128, {32768, 131072, 262144}},
+      {"glm4-9b-1m-kv4", 4, 8, 128, {131072, 262144, 1048576}},
+      {"glm4-9b-1m-kv2", 2, 16, 128, {131072, 262144, 1048576}},
+  };
+}
+
+int run_bench(const BenchOptions& o) {
+  std::string why;
+  if (!device_available(&why)) throw std::runtime_error(why);
+  int dev = 0;
+  ck(cudaGetDevice(&dev), "device");
+  cudaDeviceProp prop{};
+  ck(cudaGetDeviceProperties(&prop, dev), "properties");
+  const int n_sm = prop.multiProcessorCount;
+  cudaStream_t s;
+  ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+  std::printf("device: %s\n", device_description(dev).c_str());
+
+  // Measured bandwidth ceilings: a plain read of 4 GiB, a 2 GiB -> 2 GiB copy.
+  Flusher fl(size_t(256) << 20, n_sm);
+  double read_gbs = 0.0, copy_gbs = 0.0;
+  {
+    const size_t bytes = size_t(4) << 30;
+    DevMem a(bytes), sink(64);
+    ck(cudaMemset(a.p, 3, bytes), "memset");
+    const double us = time_us(fl, s, 3, 10, [&] {
+      read_kernel<<<n_sm * 8, 512, 0, s>>>(a.as<uint4>(), bytes / 16, sink.as<uint32_t>());
+    });
+    read_gbs = double(bytes) / us * 1e-3;
+    const size_t half = bytes / 2;
+    const double us2 = time_us(fl, s, 3, 10, [&] {
+      copy_kernel<<<n_sm * 8, 512, 0, s>>>(a.as<uint4>(), reinterpret_cast<uint4*>(a.as<char>() + half), half / 16);
+    });
+    copy_gbs = 2.0 * double(half) / us2 * 1e-3;
+    ck(cudaGetLastError(), "bandwidth kernels");
+  }
+  std::printf("measured bandwidth: read %.0f GB/s (4 GiB, 16-byte loads), copy %.0f GB/s (read + write)\n", read_gbs,
+              copy_gbs);
+  std::printf("LOCKS budget %d tokens (%d pages), summaries r=8 int4 basis / int8 coef / int8 centroid, KV %s, "
+              "L2 flushed before each run, median of %d runs, CUDA graphs, PDL %s\n",
+              o.budget_tokens, o.budget_tokens / 16, o.bf16 ? "bf16" : "f16", o.runs, o.pdl ? "on" : "off");
+
+  std::FILE* csv = o.csv.empty() ? nullptr : std::fopen(o.csv.c_str(), "w");
+  if (csv)
+    std::fprintf(csv,
+                 "shape,n_head_kv,group,head_dim,context,batch,dense_us,dense_bytes,locks_us,locks_bytes,score_us,"
+                 "score_bytes,select_us,attn_us,attn_bytes,l2_intermediate_bytes,build_pages_per_s,build_batch_us,"
+                 "read_gbs,copy_gbs\n");
+  std::printf("\n| shape | context | batch | dense us | dense GB/s | LOCKS step us | score us | score GB/s (%% of read) "
+              "| select us | sparse attn us | speedup | dense MB | LOCKS MB | fewer bytes | build Mpage/s | build/step |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+
+  const auto shapes = o.shapes.empty() ? default_bench_shapes() : o.shapes;
+  const int budget_pages = o.budget_tokens / 16;
+  for (const BenchShape& sh : shapes)
+    for (int ctx : sh.contexts)
+      for (int B : o.batches) {
+        const int H = sh.n_head_kv, G = sh.group, D = sh.head_dim;
+        const int tokens = ctx - 7;  // a partial recent page, as in the middle of decoding
+        const int pages = (tokens + 15) / 16;
+        const int last_len = tokens - 16 * (pages - 1);
+        const size_t pool = size_t(B) * pages;
+        const size_t kv_elems = pool * H * 16 * D;
+        const double kv_gib = 2.0 * kv_elems * 2 / double(1 << 30);
+        if (kv_gib > o.max_gib) {
+          std::printf("| %s | %d | %d | skipped: KV %.1f GiB > %.0f GiB |\n", sh.name.c_str(), ctx, B, kv_gib, o.max_gib);
+          continue;
+        }
+        DevMem k(kv_elems * 2), v(kv_elems * 2);
+        fill_kv_kernel<<<n_sm * 16, 256, 0, s>>>(k.as<uint16_t>(), v.as<uint16_t>(), kv_elems, D, 16 * D, o.bf16,
+                                                 uint32_t(ctx + B));
+        std::vector<int32_t> indptr(B + 1), indices(pool), last(B, last_len);
+        for (int b = 0; b <= B; ++b) indptr[b] = b * pages;
+        for (size_t i = 0; i < pool; ++i) indices[i] = int32_t(i);
+        DevMem d_indptr(indptr.size() * 4), d_indices(indices.size() * 4), d_last(last.size() * 4);
+        ck(cudaMemcpy(d_indptr.p, indptr.data(), indptr.size() * 4, cudaMemcpyHostToDevice), "upload");
+        ck(cudaMemcpy(d_indices.p, indices.data(), indices.size() * 4, cudaMemcpyHostToDevice), "upload");
+        ck(cudaMemcpy(d_last.p, last.data(), last.size() * 4, cudaMemcpyHostToDevice), "upload");
+
+        PagedKvView kv;
+        kv.k = k.p;
+        kv.v = v.p;
+        kv.dtype = o.bf16 ? KvType::kBF16 : KvType::kF16;
+        kv.n_head_kv = H;
+        kv.head_dim = D;
+        kv.batch = B;
+        kv.indptr = d_indptr.as<int32_t>();
+        kv.indices = d_indices.as<int32_t>();
+        kv.last_page_len = d_last.as<int32_t>();
+
+        // Summaries of every full page (prefill-style batch build): throughput.
+        const size_t rb = summary_record_bytes(D);
+        DevMem rec(size_t(H) * pool * rb);
+        std::vector<int32_t> full;
+        for (int b = 0; b < B; ++b)
+          for (int j = 0; j < pages - 1; ++j) full.push_back(indptr[b] + j);
+        DevMem d_full(full.size() * 4);
+        ck(cudaMemcpy(d_full.p, full.data(), full.size() * 4, cudaMemcpyHostToDevice), "upload");
+        SummaryBuildParams bp;
+        bp.k = k.p;
+        bp.dtype = kv.dtype;
+        bp.n_head_kv = H;
+        bp.head_dim = D;
+        bp.pages = d_full.as<int32_t>();
+        bp.n_pages = int(full.size());
+        bp.n_pages_pool = int(pool);
+        bp.records = rec.as<uint8_t>();
+        ck(summary_build(bp, s), "summary build");  // warm-up + the real build
+        ck(cudaStreamSynchronize(s), "build");
+        Timer bt;
+        ck(cudaEventRecord(bt.a, s), "record");
+        ck(summary_build(bp, s), "summary build");
+        ck(cudaEventRecord(bt.b, s), "record");
+        ck(cudaEventSynchronize(bt.b), "build");
+        float build_ms = 0.0f;
+        ck(cudaEventElapsedTime(&build_ms, bt.a, bt.b), "elapsed");
+        const double build_pps = double(full.size()) * H / (build_ms * 1e-3);
+        // What decoding pays: one new page per sequence every 16 steps (B pages x H heads).
+        SummaryBuildParams bp1 = bp;
+        bp1.n_pages = B;
+        std::vector<int32_t> fresh(B);
+        for (int b = 0; b < B; ++b) fresh[b] = indptr[b] + std::max(0, pages - 2);
+        DevMem d_fresh(B * 4);
+        ck(cudaMemcpy(d_fresh.p, fresh.data(), B * 4, cudaMemcpyHostToDevice), "upload");
+        bp1.pages = d_fresh.as<int32_t>();
+        const double build_batch_us = time_us(fl, s, 2, 10, [&] { ck(summary_build(bp1, s), "build"); });
+
+        DecodeShape ds;
+        ds.batch = B;
+        ds.n_head_kv = H;
+        ds.group = G;
+        ds.head_dim = D;
+        ds.dtype = kv.dtype;
+        ds.max_pages = pages;
+        ds.budget_pages = budget_pages;
+        DecodePlan plan = make_decode_plan(ds, dev);
+        plan.pdl = o.pdl;
+        DevMem ws(plan.workspace_bytes), q(size_t(B) * H * G * D * 4), out(size_t(B) * H * G * D * 4),
+            lse(size_t(B) * H * G * 4);
+        ck(init_decode_workspace(plan, ws.p, s), "init");
+        fill_q_kernel<<<64, 256, 0, s>>>(q.as<float>(), size_t(B) * H * G * D, 99u);
+        DecodeStepParams sp;
+        sp.q = q.as<float>();
+        sp.kv = kv;
+        sp.summaries = rec.as<uint8_t>();
+        sp.n_pages_pool = int(pool);
+        sp.scale = 1.0f / std::sqrt(float(D));
+        sp.o = out.as<float>();
+        sp.lse = lse.as<float>();
+        sp.workspace = ws.p;
+
+        // Graphs: full LOCKS step; score only; score + select; sparse attention only; dense.
+        ScoreParams scp;
+        SelectParams sep;
+        AttentionParams atp;
+        {
+          scp.q = sp.q;
+          scp.kv = kv;
+          scp.summaries = sp.summaries;
+          scp.n_pages_pool = sp.n_pages_pool;
+          scp.group = G;
+          scp.scale = sp.scale;
+          scp.chunk_pages = plan.score_chunk_pages;
+          scp.n_chunks = plan.score_chunks;
+          scp.log_mass = plan_log_mass(plan, ws.p);
+          scp.log_mass_stride = plan.log_mass_stride;
+          scp.lse_total = plan_lse_total(plan, ws.p);
+          scp.chunk_stats = reinterpret_cast<float*>(ws.as<char>() + plan.off_chunk_stats);
+          scp.counters = reinterpret_cast<uint32_t*>(ws.as<char>() + plan.off_counters);
+          scp.pdl = o.pdl;
+          sep.batch = B;
+          sep.n_head_kv = H;
+          sep.group = G;
+          sep.indptr = kv.indptr;
+          sep.log_mass = scp.log_mass;
+          sep.log_mass_stride = plan.log_mass_stride;
+          sep.lse_total = scp.lse_total;
+          sep.budget_pages = budget_pages;
+          sep.keys = reinterpret_cast<uint32_t*>(ws.as<char>() + plan.off_keys);
+          sep.hist = reinterpret_cast<uint32_t*>(ws.as<char>() + plan.off_hist);
+          sep.selected = plan_selected(plan, ws.p);
+          sep.n_selected = plan_n_selected(plan, ws.p);
+          sep.pdl = o.pdl;
+          atp.q = sp.q;
+          atp.kv = kv;
+          atp.group = G;
+          atp.scale = sp.scale;
+          atp.selected = sep.selected;
+          atp.n_selected = sep.n_selected;
+          atp.selected_stride = budget_pages;
+          atp.pages_per_split = plan.sparse_pages_per_split;
+          atp.n_splits = plan.sparse_splits;
+          atp.o = sp.o;
+          atp.lse = sp.lse;
+          atp.partial_o = reinterpret_cast<float*>(ws.as<char>() + plan.off_partial_o);
+          atp.partial_lse = reinterpret_cast<float*>(ws.as<char>() + plan.off_partial_lse);
+          atp.counters = scp.counters + size_t(B) * H;
+          atp.pdl = o.pdl;
+        }
+        cudaGraphExec_t g_locks = capture(s, [&] { ck(locks_decode_step(plan, sp, s), "locks step"); });
+        cudaGraphExec_t g_dense = capture(s, [&] { ck(dense_decode_step(plan, sp, s), "dense step"); });
+        cudaGraphExec_t g_score = capture(s, [&] { ck(score_pages(scp, s), "score"); });
+        cudaGraphExec_t g_ss = capture(s, [&] {
+          ck(score_pages(scp, s), "score");
+          ck(select_pages(sep, s), "select");
+        });
+        cudaGraphExec_t g_attn = capture(s, [&] { ck(paged_decode_attention(atp, s), "sparse attention"); });
+
+        std::vector<double> t_dense, t_locks, t_score, t_ss, t_attn;
+        Timer t;
+        auto timed = [&](cudaGraphExec_t g, std::vector<double>& acc, bool keep) {
+          fl.run(s);
+          ck(cudaEventRecord(t.a, s), "record");
+          ck(cudaGraphLaunch(g, s), "graph");
+          ck(cudaEventRecord(t.b, s), "record");
+          ck(cudaEventSynchronize(t.b), "run");
+          float ms = 0.0f;
+          ck(cudaEventElapsedTime(&ms, t.a, t.b), "elapsed");
+          if (keep) acc.push_back(1000.0 * ms);
+        };
+        for (int r = -o.warmup; r < o.runs; ++r) {
+          timed(g_dense, t_dense, r >= 0);
+          timed(g_locks, t_locks, r >= 0);
+          timed(g_score, t_score, r >= 0);
+          timed(g_ss, t_ss, r >= 0);
+          timed(g_attn, t_attn, r >= 0);
+        }
+        ck(cudaGetLastError(), "timed runs");
+        for (cudaGraphExec_t g : {g_locks, g_dense, g_score, g_ss, g_attn}) cudaGraphExecDestroy(g);
+
+        // Sanity: the LOCKS output is finite.
+        std::vector<float> ho(size_t(B) * H * G * D);
+        ck(cudaMemcpy(ho.data(), out.p, ho.size() * 4, cudaMemcpyDeviceToHost), "download");
+        for (float x : ho)
+          if (!std::isfinite(x)) throw std::runtime_error("CUDA bench: non-finite attention output");
+
+        // Bytes read (counted once): K/V of every token; summaries of every full page, the partial
+        // page's keys, the selected pages' K/V; page-table entries.
+        const double tok_bytes = 2.0 * D * 2;  // K + V of one token, one head
+        const double dense_bytes = double(B) * H * tokens * tok_bytes + double(B) * pages * 4;
+        const int sel_pages = std::min(budget_pages, pages);
+        const double sel_tokens = double(sel_pages - 1) * 16 + last_len;
+        const double score_bytes = double(B) * H * ((pages - 1) * double(rb) + last_len * D * 2.0) + double(B) * pages * 4;
+        const double attn_bytes = double(B) * H * sel_tokens * tok_bytes + double(B) * H * sel_pages * 4.0;
+        const double locks_bytes = score_bytes + attn_bytes;
+        const double l2_bytes = double(B) * H * pages * (G * 4.0 * 2 + 4.0 * 2);  // log-mass, keys (L2-resident)
+        const double md = median(t_dense), ml = median(t_locks), msc = median(t_score), mss = median(t_ss),
+                     ma = median(t_attn);
+        std::printf("| %s | %dK | %d | %.1f | %.0f | %.1f | %.1f | %.0f (%.0f%%) | %.1f | %.1f | %.2fx | %.1f | %.1f | "
+                    "%.2fx | %.2f | %.3f |\n",
+                    sh.name.c_str(), ctx / 1024, B, md, dense_bytes / md * 1e-3, ml, msc, score_bytes / msc * 1e-3,
+                    100.0 * score_bytes / msc * 1e-3 / read_gbs, mss - msc, ma, md / ml, dense_bytes / 1e6,
+                    locks_bytes / 1e6, dense_bytes / locks_bytes, build_pps * 1e-6, build_batch_us / 16.0 / ml);
+        std::fflush(stdout);
+        if (csv) {
+          std::fprintf(csv, "%s,%d,%d,%d,%d,%d,%.3f,%.0f,%.3f,%.0f,%.3f,%.0f,%.3f,%.3f,%.0f,%.0f,%.0f,%.3f,%.1f,%.1f\n",
+                       sh.name.c_str(), H, G, D, ctx, B, md, dense_bytes, ml, locks_bytes, msc, score_bytes, mss - msc,
+                       ma, attn_bytes, l2_bytes, build_pps, build_batch_us, read_gbs, copy_gbs);
+          std::fflush(csv);
+        }
+      }
+  if (csv) std::fclose(csv);
+  std::printf("\nbuild Mpage/s: (page, KV head) summaries per second, all full pages of the batch in one launch; "
+              "build/step: building one new page per sequence (every 16 decode steps), amortised per step, over "
+              "the LOCKS step time\n");
+  cudaStreamDestroy(s);
+  return 0;
+}
+
+}  // namespace locks::cuda

@@ -1,0 +1,175 @@
+// Device helpers shared by the LOCKS CUDA kernels: warp-level tensor-core MMAs (mma.sync, sm_80+),
+// f16/bf16 packing with hi/lo splitting, int4/int8 -> f16 unpacking, the last-CTA-done pattern,
+// and programmatic-dependent-launch (PDL) helpers.
+//
+// Fragment conventions (PTX ISA, mma.m16n8k16 / m16n8k8 with .row.col), for lane = 4 * g + t:
+//   A (16 x 16): a[0] = (row g,   cols 2t, 2t+1)   a[1] = (row g+8, cols 2t, 2t+1)
+//                a[2] = (row g,   cols 2t+8, 2t+9) a[3] = (row g+8, cols 2t+8, 2t+9)
+//   A (16 x 8):  a[0] = (row g, cols 2t, 2t+1)     a[1] = (row g+8, cols 2t, 2t+1)
+//   B (16 x 8):  b[0] = (rows 2t, 2t+1, col g)     b[1] = (rows 2t+8, 2t+9, col g)
+//   B (8 x 8):   b[0] = (rows 2t, 2t+1, col g)
+//   C (16 x 8):  c[0], c[1] = (row g, cols 2t, 2t+1)   c[2], c[3] = (row g+8, cols 2t, 2t+1)
+// Within a 32-bit register the lower-indexed element is the low half.
+//
+// The K dimension of a product is a sum, so any permutation of it applied to both A and B gives the
+// same result. The kernels use that freedom to let every lane read its operands with 16-byte loads
+// straight from memory (no shared-memory staging): see the per-kernel "K permutation" comments.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "locks/cuda/kernels.h"
+
+namespace locks::cuda::detail {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr unsigned kFull = 0xffffffffu;
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core MMAs (f32 accumulate).
+__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, __half) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
+                                          __nv_bfloat16) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma_1688_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t b0) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(b0));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Packing two floats into a 16-bit pair (x in the low half). `hi` is the rounded pair, `lo` the
+// rounded remainder: hi + lo carries ~22 (f16) or ~16 (bf16) significant bits.
+template <typename T>
+struct Pack;
+template <>
+struct Pack<__half> {
+  static __device__ __forceinline__ uint32_t pack(float x, float y) {
+    __half2 h = __floats2half2_rn(x, y);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  static __device__ __forceinline__ void split(float x, float y, uint32_t& hi, uint32_t& lo) {
+    __half2 h = __floats2half2_rn(x, y);
+    __half2 l = __floats2half2_rn(x - __low2float(h), y - __high2float(h));
+    hi = *reinterpret_cast<uint32_t*>(&h);
+    lo = *reinterpret_cast<uint32_t*>(&l);
+  }
+  static __device__ __forceinline__ float to_float(uint16_t bits) { return __half2float(__ushort_as_half(bits)); }
+};
+template <>
+struct Pack<__nv_bfloat16> {
+  static __device__ __forceinline__ uint32_t pack(float x, float y) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  static __device__ __forceinline__ void split(float x, float y, uint32_t& hi, uint32_t& lo) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+    __nv_bfloat162 l = __floats2bfloat162_rn(x - __low2float(h), y - __high2float(h));
+    hi = *reinterpret_cast<uint32_t*>(&h);
+    lo = *reinterpret_cast<uint32_t*>(&l);
+  }
+  static __device__ __forceinline__ float to_float(uint16_t bits) {
+    return __bfloat162float(__ushort_as_bfloat16(bits));
+  }
+};
+
+// One stored KV element (raw bits) to float, by runtime dtype.
+__device__ __forceinline__ float kv_to_float(uint16_t bits, bool bf16) {
+  return bf16 ? __uint_as_float(uint32_t(bits) << 16) : __half2float(__ushort_as_half(bits));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Code unpacking (exact): every int4 / int8 code is an integer that f16 represents exactly.
+__device__ __forceinline__ uint32_t hsub2_bits(uint32_t a, uint32_t b) {
+  __half2 r = __hsub2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+__device__ __forceinline__ uint32_t hfma2_bits(uint32_t a, uint32_t b, uint32_t c) {
+  __half2 r = __hfma2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b), *reinterpret_cast<__half2*>(&c));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
+/// Eight signed int4 codes (two's complement nibbles; nibble n = bits 4n..4n+3 = element n) to four
+/// f16 pairs: out[0] = (e0, e4), out[1] = (e1, e5), out[2] = (e2, e6), out[3] = (e3, e7).
+/// The 0x6400 exponent trick: f16 bits 0x6400 | u = 1024 + u for u < 1024.
+__device__ __forceinline__ void unpack_int4x8(uint32_t w, uint32_t (&out)[4]) {
+  const uint32_t u = w ^ 0x88888888u;  // signed code c -> unsigned c + 8
+  const uint32_t lo = (u & 0x000f000fu) | 0x64006400u;          // (1024 + u0, 1024 + u4)
+  const uint32_t hi = (u & 0x00f000f0u) | 0x64006400u;          // (1024 + 16 u1, 1024 + 16 u5)
+  const uint32_t lo2 = ((u >> 8) & 0x000f000fu) | 0x64006400u;  // (1024 + u2, 1024 + u6)
+  const uint32_t hi2 = ((u >> 8) & 0x00f000f0u) | 0x64006400u;  // (1024 + 16 u3, 1024 + 16 u7)
+  const uint32_t k1032 = 0x64086408u;  // (1032, 1032)
+  const uint32_t k1_16 = 0x2c002c00u;  // (1/16, 1/16)
+  const uint32_t km72 = 0xd480d480u;   // (-72, -72)
+  out[0] = hsub2_bits(lo, k1032);
+  out[1] = hfma2_bits(hi, k1_16, km72);
+  out[2] = hsub2_bits(lo2, k1032);
+  out[3] = hfma2_bits(hi2, k1_16, km72);
+}
+
+/// Four signed int8 codes (bytes b0..b3) to two f16 pairs: lo = (b0, b1), hi = (b2, b3).
+__device__ __forceinline__ void unpack_int8x4(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  const uint32_t u = w ^ 0x80808080u;  // c -> c + 128
+  const uint32_t k1152 = 0x64806480u;  // (1152, 1152) = 1024 + 128
+  lo = hsub2_bits(__byte_perm(u, 0x64646464u, 0x4140u), k1152);
+  hi = hsub2_bits(__byte_perm(u, 0x64646464u, 0x4342u), k1152);
+}
+
+__device__ __forceinline__ float h2f_lo(uint32_t w) { return __half2float(__ushort_as_half(uint16_t(w & 0xffffu))); }
+__device__ __forceinline__ float h2f_hi(uint32_t w) { return __half2float(__ushort_as_half(uint16_t(w >> 16))); }
+
+// ---------------------------------------------------------------------------------------------
+// Programmatic dependent launch: wait for the previous kernel in the stream before reading its
+// results (no-op when the kernel was launched without the PDL attribute).
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+/// Last-CTA-done: every CTA of a group calls this once after writing its results (all threads).
+/// Returns true in exactly one CTA, the last to arrive, which then sees all the group's writes; that
+/// CTA also resets the counter to 0 so the next launch (or graph replay) starts clean.
+__device__ __forceinline__ bool last_cta_done(uint32_t* counter, uint32_t n_ctas, int* smem_flag) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const uint32_t prev = atomicAdd(counter, 1u);
+    const bool last = prev == n_ctas - 1;
+    if (last) atomicExch(counter, 0u);
+    *smem_flag = last ? 1 : 0;
+  }
+  __syncthreads();
+  const bool last = *smem_flag != 0;
+  if (last) __threadfence();
+  return last;
+}
+
+// Warp reductions over the 4 lanes of a quad (lanes 4g .. 4g+3).
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(kFull, x, 1));
+  return fmaxf(x, __shfl_xor_sync(kFull, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(kFull, x, 1);
+  return x + __shfl_xor_sync(kFull, x, 2);
+}
+
+}  // namespace locks::cuda::detail

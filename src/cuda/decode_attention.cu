@@ -1,0 +1,405 @@
+// Exact decode attention of a GQA group over a list of its pages (sparse: the selected set; dense:
+// every page). CPU twin: paged_decode_attention (src/core/decode_attention.cpp).
+//
+// One CTA per (split, KV head, sequence), 4 warps; each warp takes whole pages (16 tokens) of the
+// split and keeps an online softmax for all G heads of the group: S = Q K^T and O += P V on tensor
+// cores with the heads as MMA rows (G <= 8: rows 8..15 carry the low parts of the hi/lo split of q
+// and of P, so f16/bf16 rounding costs no accuracy; G > 8: heads in rows, two MMAs hi + lo). The
+// warps' states are combined in shared memory, the splits by log-sum-exp in the last CTA.
+//
+// Operands come straight from global memory into registers with 16-byte loads (no staging):
+//   K: lane 4g+t loads 16-byte chunks c = 4i + t of tokens g and g+8; k-step 2i+hh of that lane
+//      covers dims 8c + 4hh + {0,1} (K slots 2t, 2t+1) and 8c + 4hh + {2,3} (slots 2t+8, 2t+9).
+//   V: lane 4g+t loads chunks g + 8u of tokens 2t, 2t+1, 2t+8, 2t+9; n-tile nt = 8u + e of the PV
+//      product holds output dims 64u + 8n + e for MMA column n, so the column of B a lane holds is
+//      its own chunk (g) and two rows pack into one register with a byte permute.
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+
+#include "common.cuh"
+
+namespace locks::cuda {
+
+namespace {
+
+using namespace detail;
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kMaxSplits = 128;  // merge weights staged in shared memory
+
+__device__ __forceinline__ uint32_t u4w(const uint4& v, int w) { return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w; }
+
+template <int D, int GT, typename T>
+__global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) {
+  constexpr int KS = D / 16;      // k-steps of Q K^T
+  constexpr int NKC = D / 32;     // K chunks per token row per lane
+  constexpr int NVC = D / 64;     // V chunks per token row per lane
+  constexpr int NT = D / 8;       // n-tiles of P V
+  constexpr int ROWS = GT / 8;
+
+  __shared__ __align__(16) float q_s[GT][D];
+  __shared__ __align__(16) float warp_o[kWarps][GT][D];  // reused for merge weights
+  __shared__ float warp_m[kWarps][GT], warp_l[kWarps][GT];
+  __shared__ int last_flag;
+
+  const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int H = p.kv.n_head_kv, G = p.group;
+  const size_t bh = size_t(b) * H + h;
+
+  pdl_wait();
+  pdl_launch_dependents();
+  const int pbeg = p.kv.indptr[b];
+  const int n_pages = p.kv.indptr[b + 1] - pbeg;
+  const int last_len = p.kv.last_page_len[b];
+  const bool sparse = p.selected != nullptr;
+  const int n_list = n_pages <= 0 ? 0 : (sparse ? p.n_selected[bh] : n_pages);
+  const int pps = p.pages_per_split;
+  const int active = (n_list + pps - 1) / pps;
+  float* o_out = p.o + bh * G * D;
+  if (n_list <= 0) {  // empty sequence: o = 0, lse = -inf
+    if (s == 0) {
+      for (int e = threadIdx.x; e < G * D; e += kThreads) o_out[e] = 0.0f;
+      if (p.lse && threadIdx.x < G) p.lse[bh * G + threadIdx.x] = -INFINITY;
+    }
+    return;
+  }
+  if (s >= active) return;
+
+  // q * scale * log2(e) -> A fragments (hi/lo).
+  const float qmul = p.scale * kLog2e;
+  const float* qg = p.q + bh * G * D;
+  for (int e = threadIdx.x; e < GT * D; e += kThreads) q_s[e / D][e % D] = (e / D) < G ? qg[e] * qmul : 0.0f;
+  __syncthreads();
+  uint32_t aq[KS][4];
+  uint32_t aq_lo[ROWS == 2 ? KS : 1][4];
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk) {
+    const int c = 4 * (kk >> 1) + t, d0 = 8 * c + 4 * (kk & 1);
+    uint32_t h01, l01, h23, l23;
+    Pack<T>::split(q_s[g][d0], q_s[g][d0 + 1], h01, l01);
+    Pack<T>::split(q_s[g][d0 + 2], q_s[g][d0 + 3], h23, l23);
+    if constexpr (ROWS == 1) {
+      aq[kk][0] = h01;
+      aq[kk][1] = l01;
+      aq[kk][2] = h23;
+      aq[kk][3] = l23;
+    } else {
+      uint32_t h01b, l01b, h23b, l23b;
+      Pack<T>::split(q_s[g + 8][d0], q_s[g + 8][d0 + 1], h01b, l01b);
+      Pack<T>::split(q_s[g + 8][d0 + 2], q_s[g + 8][d0 + 3], h23b, l23b);
+      aq[kk][0] = h01;
+      aq[kk][1] = h01b;
+      aq[kk][2] = h23;
+      aq[kk][3] = h23b;
+      aq_lo[kk][0] = l01;
+      aq_lo[kk][1] = l01b;
+      aq_lo[kk][2] = l23;
+      aq_lo[kk][3] = l23b;
+    }
+  }
+
+  float o[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+  float run_m[ROWS], run_l[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    run_m[r] = -INFINITY;
+    run_l[r] = 0.0f;
+  }
+
+  const uint16_t* kpool = static_cast<const uint16_t*>(p.kv.k);
+  const uint16_t* vpool = static_cast<const uint16_t*>(p.kv.v);
+  const int32_t* sel = sparse ? p.selected + bh * p.selected_stride : nullptr;
+  const int32_t* idx = p.kv.indices + pbeg;
+  const int list1 = min((s + 1) * pps, n_list);
+
+  // Page at list entry li: position j, its page id and its valid token count.
+  auto page_of = [&](int li, size_t& off, int& len) {
+    const int j = sparse ? __ldg(sel + li) : li;
+    const int32_t id = __ldg(idx + j);
+    len = j == n_pages - 1 ? last_len : kPageSize;
+    off = (size_t(id) * H + h) * size_t(kPageSize) * D;
+  };
+  uint4 kr[2][NKC], vr[4][NVC];
+  auto load_k = [&](size_t off, int len) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int tok = g + 8 * r;
+      const uint4* src = reinterpret_cast<const uint4*>(kpool + off + size_t(tok) * D);
+#pragma unroll
+      for (int i = 0; i < NKC; ++i) kr[r][i] = tok < len ? __ldcs(src + 4 * i + t) : make_uint4(0u, 0u, 0u, 0u);
+    }
+  };
+  auto load_v = [&](size_t off, int len) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int tok = 2 * t + (r & 1) + 8 * (r >> 1);
+      const uint4* src = reinterpret_cast<const uint4*>(vpool + off + size_t(tok) * D);
+#pragma unroll
+      for (int u = 0; u < NVC; ++u) vr[r][u] = tok < len ? __ldcs(src + g + 8 * u) : make_uint4(0u, 0u, 0u, 0u);
+    }
+  };
+
+  int li = s * pps + warp;
+  size_t off = 0;
+  int len = 0;
+  if (li < list1) {
+    page_of(li, off, len);
+    load_k(off, len);
+    load_v(off, len);
+  }
+  for (; li < list1; li += kWarps) {
+    const int cur_len = len;
+    const int nli = li + kWarps;
+    size_t noff = 0;
+    int nlen = 0;
+    if (nli < list1) page_of(nli, noff, nlen);
+
+    // S = Q K^T (log2 units), two n-tiles of 8 tokens.
+    float sc0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sc1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+      const int i = kk >> 1, hh = kk & 1;
+      mma_16816(sc0, aq[kk], u4w(kr[0][i], 2 * hh), u4w(kr[0][i], 2 * hh + 1), T());
+      mma_16816(sc1, aq[kk], u4w(kr[1][i], 2 * hh), u4w(kr[1][i], 2 * hh + 1), T());
+      if constexpr (ROWS == 2) {
+        mma_16816(sc0, aq_lo[kk], u4w(kr[0][i], 2 * hh), u4w(kr[0][i], 2 * hh + 1), T());
+        mma_16816(sc1, aq_lo[kk], u4w(kr[1][i], 2 * hh), u4w(kr[1][i], 2 * hh + 1), T());
+      }
+    }
+    if (nli < list1) load_k(noff, nlen);  // next page's K while this one finishes
+
+    // Online softmax per head row; this lane holds tokens 2t, 2t+1, 8+2t, 9+2t.
+    const bool valid[4] = {2 * t < cur_len, 2 * t + 1 < cur_len, 8 + 2 * t < cur_len, 9 + 2 * t < cur_len};
+    float pr[ROWS][4];
+    float corr[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      float sv[4];
+      if constexpr (ROWS == 1) {
+        sv[0] = sc0[0] + sc0[2];
+        sv[1] = sc0[1] + sc0[3];
+        sv[2] = sc1[0] + sc1[2];
+        sv[3] = sc1[1] + sc1[3];
+      } else {
+        sv[0] = sc0[2 * r];
+        sv[1] = sc0[2 * r + 1];
+        sv[2] = sc1[2 * r];
+        sv[3] = sc1[2 * r + 1];
+      }
+      float mx = -INFINITY;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (!valid[e]) sv[e] = -INFINITY;
+        mx = fmaxf(mx, sv[e]);
+      }
+      mx = quad_max(mx);
+      const float m_new = fmaxf(run_m[r], mx);  // finite: token 0 of every page is valid
+      corr[r] = exp2f(run_m[r] - m_new);        // 0 on the first page (run_m = -inf)
+      float sum = 0.0f;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        pr[r][e] = exp2f(sv[e] - m_new);
+        sum += pr[r][e];
+      }
+      run_l[r] = run_l[r] * corr[r] + sum;
+      run_m[r] = m_new;
+    }
+    uint32_t ap[4], ap_lo[4];
+    if constexpr (ROWS == 1) {
+      Pack<T>::split(pr[0][0], pr[0][1], ap[0], ap[1]);
+      Pack<T>::split(pr[0][2], pr[0][3], ap[2], ap[3]);
+    } else {
+      Pack<T>::split(pr[0][0], pr[0][1], ap[0], ap_lo[0]);
+      Pack<T>::split(pr[ROWS - 1][0], pr[ROWS - 1][1], ap[1], ap_lo[1]);
+      Pack<T>::split(pr[0][2], pr[0][3], ap[2], ap_lo[2]);
+      Pack<T>::split(pr[ROWS - 1][2], pr[ROWS - 1][3], ap[3], ap_lo[3]);
+    }
+
+    // O = O * corr + P V.
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int u = nt >> 3, e = nt & 7;
+      const uint32_t sel_bytes = (e & 1) ? 0x7632u : 0x5410u;
+      const uint32_t b0 = __byte_perm(u4w(vr[0][u], e >> 1), u4w(vr[1][u], e >> 1), sel_bytes);
+      const uint32_t b1 = __byte_perm(u4w(vr[2][u], e >> 1), u4w(vr[3][u], e >> 1), sel_bytes);
+      o[nt][0] *= corr[0];
+      o[nt][1] *= corr[0];
+      o[nt][2] *= corr[ROWS - 1];
+      o[nt][3] *= corr[ROWS - 1];
+      mma_16816(o[nt], ap, b0, b1, T());
+      if constexpr (ROWS == 2) mma_16816(o[nt], ap_lo, b0, b1, T());
+    }
+    if (nli < list1) load_v(noff, nlen);
+    len = nlen;
+  }
+
+  // Warp state -> shared memory (rows < GT, natural dim order).
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const float l = quad_sum(run_l[r]);
+    if (t == 0) {
+      warp_m[warp][g + 8 * r] = run_m[r];
+      warp_l[warp][g + 8 * r] = l;
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int u = nt >> 3, e = nt & 7;
+    const int x0 = 64 * u + 8 * (2 * t) + e, x1 = x0 + 8;
+    if constexpr (ROWS == 1) {
+      warp_o[warp][g][x0] = o[nt][0] + o[nt][2];
+      warp_o[warp][g][x1] = o[nt][1] + o[nt][3];
+    } else {
+      warp_o[warp][g][x0] = o[nt][0];
+      warp_o[warp][g][x1] = o[nt][1];
+      warp_o[warp][g + 8][x0] = o[nt][2];
+      warp_o[warp][g + 8][x1] = o[nt][3];
+    }
+  }
+  __syncthreads();
+
+  // Combine the warps: this split's normalised output and log2-sum-exp per head.
+  const bool single = active == 1;
+  float* po = p.partial_o + (bh * p.n_splits + s) * 16 * D;
+  float* pl = p.partial_lse + (bh * p.n_splits + s) * 16;
+  for (int e = threadIdx.x; e < G * D; e += kThreads) {
+    const int row = e / D, x = e % D;
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, warp_m[w][row]);
+    float lsum = 0.0f, osum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float mw = warp_m[w][row];
+      const float wt = mw == -INFINITY ? 0.0f : exp2f(mw - M);
+      lsum += wt * warp_l[w][row];
+      osum += wt * warp_o[w][row][x];
+    }
+    const float ov = lsum > 0.0f ? osum / lsum : 0.0f;
+    const float l2 = lsum > 0.0f ? M + log2f(lsum) : -INFINITY;
+    if (single) {
+      o_out[row * D + x] = ov;
+      if (p.lse && x == 0) p.lse[bh * G + row] = l2 * kLn2;
+    } else {
+      po[row * D + x] = ov;
+      if (x == 0) pl[row] = l2;
+    }
+  }
+  if (single) return;
+  if (!last_cta_done(p.counters + bh, uint32_t(active), &last_flag)) return;
+
+  // Last CTA: log-sum-exp merge of the splits. Weights staged in shared memory.
+  float* wts = &warp_o[0][0][0];  // [active][16]
+  const float* pl0 = p.partial_lse + bh * p.n_splits * 16;
+  const float* po0 = p.partial_o + bh * p.n_splits * 16 * D;
+  for (int e = threadIdx.x; e < active * 16; e += kThreads) wts[e] = (e % 16) < G ? __ldcg(pl0 + e) : -INFINITY;
+  __syncthreads();
+  if (threadIdx.x < G) {
+    const int row = threadIdx.x;
+    float M = -INFINITY;
+    for (int ss = 0; ss < active; ++ss) M = fmaxf(M, wts[ss * 16 + row]);
+    float lsum = 0.0f;
+    for (int ss = 0; ss < active; ++ss) {
+      const float lv = wts[ss * 16 + row];
+      const float wt = lv == -INFINITY ? 0.0f : exp2f(lv - M);
+      wts[ss * 16 + row] = wt;
+      lsum += wt;
+    }
+    warp_m[0][row] = lsum > 0.0f ? 1.0f / lsum : 0.0f;
+    if (p.lse) p.lse[bh * G + row] = lsum > 0.0f ? (M + log2f(lsum)) * kLn2 : -INFINITY;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < G * (D / 4); e += kThreads) {
+    const int row = e / (D / 4), x4 = e % (D / 4);
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    int ss = 0;
+    for (; ss + 8 <= active; ss += 8) {
+      float4 v[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) v[u] = __ldcg(reinterpret_cast<const float4*>(po0 + ((ss + u) * 16 + row) * D) + x4);
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const float wt = wts[(ss + u) * 16 + row];
+        acc.x += wt * v[u].x;
+        acc.y += wt * v[u].y;
+        acc.z += wt * v[u].z;
+        acc.w += wt * v[u].w;
+      }
+    }
+    for (; ss < active; ++ss) {
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(po0 + (ss * 16 + row) * D) + x4);
+      const float wt = wts[ss * 16 + row];
+      acc.x += wt * v.x;
+      acc.y += wt * v.y;
+      acc.z += wt * v.z;
+      acc.w += wt * v.w;
+    }
+    const float inv = warp_m[0][row];
+    reinterpret_cast<float4*>(o_out + row * D)[x4] = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+  }
+}
+
+template <int D, int GT, typename T>
+cudaError_t launch_attention(const AttentionParams& p, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(p.n_splits), unsigned(p.kv.n_head_kv), unsigned(p.kv.batch));
+  cfg.blockDim = dim3(kThreads);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = p.pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, attention_kernel<D, GT, T>, p);
+}
+
+template <int D>
+cudaError_t dispatch_attention(const AttentionParams& p, cudaStream_t stream) {
+  const bool wide = p.group > 8;
+  if (p.kv.dtype == KvType::kBF16)
+    return wide ? launch_attention<D, 16, __nv_bfloat16>(p, stream) : launch_attention<D, 8, __nv_bfloat16>(p, stream);
+  return wide ? launch_attention<D, 16, __half>(p, stream) : launch_attention<D, 8, __half>(p, stream);
+}
+
+}  // namespace
+
+int attention_max_splits() { return kMaxSplits; }
+
+template <int D, int GT, typename T>
+int occupancy_of() {
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, attention_kernel<D, GT, T>, kThreads, 0) != cudaSuccess) {
+    cudaGetLastError();
+    return 1;
+  }
+  return std::max(n, 1);
+}
+
+int attention_ctas_per_sm(int head_dim, int group, KvType dtype) {
+  const bool wide = group > 8, bf = dtype == KvType::kBF16;
+  if (head_dim == 64)
+    return bf ? (wide ? occupancy_of<64, 16, __nv_bfloat16>() : occupancy_of<64, 8, __nv_bfloat16>())
+              : (wide ? occupancy_of<64, 16, __half>() : occupancy_of<64, 8, __half>());
+  return bf ? (wide ? occupancy_of<128, 16, __nv_bfloat16>() : occupancy_of<128, 8, __nv_bfloat16>())
+            : (wide ? occupancy_of<128, 16, __half>() : occupancy_of<128, 8, __half>());
+}
+
+cudaError_t paged_decode_attention(const AttentionParams& p, cudaStream_t stream) {
+  if (p.kv.batch <= 0 || p.kv.n_head_kv <= 0) return cudaSuccess;
+  if (p.group < 1 || p.group > kMaxGroup || p.pages_per_split < 1 || p.n_splits < 1 || p.n_splits > kMaxSplits ||
+      !p.q || !p.o || !p.kv.k || !p.kv.v || !p.kv.indptr || !p.kv.indices || !p.kv.last_page_len ||
+      (p.n_splits > 1 && (!p.partial_o || !p.partial_lse || !p.counters)) || (p.selected && !p.n_selected))
+    return cudaErrorInvalidValue;
+  switch (p.kv.head_dim) {
+    case 64: return dispatch_attention<64>(p, stream);
+    case 128: return dispatch_attention<128>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace locks::cuda

@@ -1,0 +1,240 @@
+// Plan/run of one layer's decode step on the GPU (LOCKS: score -> select -> sparse attention with
+// merge; dense: attention over every page), the workspace layout, and device queries.
+#include <algorithm>
+#include <cstdio>
+#include <stdexcept>
+#include <string>
+
+#include "common.cuh"
+#include "record_layout.h"
+
+namespace locks::cuda {
+
+// Defined beside their kernels.
+cudaError_t prepare_select(int log_mass_stride);
+int attention_max_splits();
+int attention_ctas_per_sm(int head_dim, int group, KvType dtype);
+
+namespace {
+
+size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+int div_up(long a, long b) { return int((a + b - 1) / b); }
+
+__global__ void probe_kernel(int* out) {
+  if (threadIdx.x == 0) *out = 42;
+}
+
+}  // namespace
+
+bool device_available(std::string* why) {
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess || n == 0) {
+    if (why) *why = e != cudaSuccess ? std::string("no CUDA device: ") + cudaGetErrorString(e) : "no CUDA device";
+    cudaGetLastError();
+    return false;
+  }
+  int* d = nullptr;
+  e = cudaMalloc(&d, sizeof(int));
+  if (e == cudaSuccess) {
+    probe_kernel<<<1, 32>>>(d);
+    e = cudaGetLastError();
+    if (e == cudaSuccess) e = cudaDeviceSynchronize();
+    cudaFree(d);
+  }
+  if (e != cudaSuccess) {
+    if (why) *why = std::string("CUDA device not usable by this build (sm_90a kernels): ") + cudaGetErrorString(e);
+    cudaGetLastError();
+    return false;
+  }
+  return true;
+}
+
+std::string device_description(int device) {
+  if (device < 0 && cudaGetDevice(&device) != cudaSuccess) return "no CUDA device";
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) return "no CUDA device";
+  int rt = 0, drv = 0;
+  cudaRuntimeGetVersion(&rt);
+  cudaDriverGetVersion(&drv);
+  char buf[256];
+  snprintf(buf, sizeof buf, "%s (sm_%d%d), %d SMs, %.0f GiB, L2 %d MiB, CUDA runtime %d.%d, driver %d.%d", prop.name,
+           prop.major, prop.minor, prop.multiProcessorCount, double(prop.totalGlobalMem) / (1 << 30),
+           prop.l2CacheSize >> 20, rt / 1000, (rt % 1000) / 10, drv / 1000, (drv % 1000) / 10);
+  return buf;
+}
+
+DecodePlan make_decode_plan(const DecodeShape& sh, int device) {
+  if (sh.head_dim != 64 && sh.head_dim != 128)
+    throw std::invalid_argument("CUDA decode: head_dim " + std::to_string(sh.head_dim) + " (supported: 64, 128)");
+  if (sh.group < 1 || sh.group > kMaxGroup)
+    throw std::invalid_argument("CUDA decode: GQA group " + std::to_string(sh.group) + " outside [1, 16]");
+  if (sh.batch < 1 || sh.n_head_kv < 1 || sh.max_pages < 1)
+    throw std::invalid_argument("CUDA decode: batch, n_head_kv and max_pages must be positive");
+  if (sh.budget_pages < 2) throw std::invalid_argument("CUDA decode: budget below 2 pages");
+  if (device < 0 && cudaGetDevice(&device) != cudaSuccess) throw std::runtime_error("CUDA decode: no device");
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) throw std::runtime_error("CUDA decode: no device");
+
+  DecodePlan p;
+  p.shape = sh;
+  p.n_sm = prop.multiProcessorCount;
+  const long bh = long(sh.batch) * sh.n_head_kv;
+  const int max_splits = attention_max_splits();
+
+  // Score pass: about 8 CTAs per SM in all, chunks a multiple of 32 pages (4 warps x 8 pages).
+  const long total_pages = bh * sh.max_pages;
+  p.score_chunk_pages = std::clamp(int(align_up(size_t(div_up(total_pages, long(p.n_sm) * 8)), 32)), 32, 4096);
+  p.score_chunks = div_up(sh.max_pages, p.score_chunk_pages);
+  p.log_mass_stride = int(align_up(size_t(sh.max_pages), 8));
+
+  // Attention: one wave of CTAs; at least one page per warp; at most max_splits splits.
+  const long slots = long(p.n_sm) * attention_ctas_per_sm(sh.head_dim, sh.group, sh.dtype);
+  const int sel = std::min(sh.budget_pages, sh.max_pages);
+  {
+    const int want = std::max(1, int(slots / bh));
+    int pps = std::max(4, int(align_up(size_t(div_up(sel, want)), 4)));
+    pps = std::max(pps, div_up(sel, max_splits));
+    p.sparse_pages_per_split = pps;
+    p.sparse_splits = div_up(sel, pps);
+  }
+  {
+    const int want = std::max(1, int(slots / bh));
+    int pps = std::max(4, div_up(sh.max_pages, want));
+    pps = std::max(pps, div_up(sh.max_pages, max_splits));
+    p.dense_pages_per_split = pps;
+    p.dense_splits = div_up(sh.max_pages, pps);
+  }
+
+  // Workspace.
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    const size_t o = off;
+    off = align_up(off + bytes, 256);
+    return o;
+  };
+  const int splits = std::max(p.sparse_splits, p.dense_splits);
+  p.off_log_mass = take(sizeof(float) * bh * sh.group * p.log_mass_stride);
+  p.off_lse_total = take(sizeof(float) * bh * sh.group);
+  p.off_chunk_stats = take(sizeof(float) * 2 * bh * p.score_chunks * 16);
+  p.off_keys = take(sizeof(uint32_t) * bh * p.log_mass_stride);
+  p.off_selected = take(sizeof(int32_t) * bh * sh.budget_pages);
+  p.off_n_selected = take(sizeof(int32_t) * bh);
+  p.off_partial_o = take(sizeof(float) * bh * splits * 16 * sh.head_dim);
+  p.off_partial_lse = take(sizeof(float) * bh * splits * 16);
+  // Zero-initialised, self-cleaning: histograms and the last-CTA counters (score, sparse, dense).
+  p.off_hist = take(0);
+  const size_t zero_begin = p.off_hist;
+  take(sizeof(uint32_t) * bh * kHistBins);
+  p.off_counters = take(sizeof(uint32_t) * 3 * bh);
+  p.counters_bytes = off - zero_begin;
+  p.workspace_bytes = off;
+
+  const cudaError_t e = prepare_select(p.log_mass_stride);
+  if (e != cudaSuccess) throw std::runtime_error(std::string("CUDA decode: ") + cudaGetErrorString(e));
+  return p;
+}
+
+cudaError_t init_decode_workspace(const DecodePlan& plan, void* ws, cudaStream_t stream) {
+  return cudaMemsetAsync(static_cast<char*>(ws) + plan.off_hist, 0, plan.counters_bytes, stream);
+}
+
+float* plan_log_mass(const DecodePlan& plan, void* ws) {
+  return reinterpret_cast<float*>(static_cast<char*>(ws) + plan.off_log_mass);
+}
+float* plan_lse_total(const DecodePlan& plan, void* ws) {
+  return reinterpret_cast<float*>(static_cast<char*>(ws) + plan.off_lse_total);
+}
+int32_t* plan_selected(const DecodePlan& plan, void* ws) {
+  return reinterpret_cast<int32_t*>(static_cast<char*>(ws) + plan.off_selected);
+}
+int32_t* plan_n_selected(const DecodePlan& plan, void* ws) {
+  return reinterpret_cast<int32_t*>(static_cast<char*>(ws) + plan.off_n_selected);
+}
+
+namespace {
+template <class T>
+T* at(void* ws, size_t off) {
+  return reinterpret_cast<T*>(static_cast<char*>(ws) + off);
+}
+}  // namespace
+
+cudaError_t locks_decode_step(const DecodePlan& plan, const DecodeStepParams& p, cudaStream_t stream) {
+  const DecodeShape& sh = plan.shape;
+  const size_t bh = size_t(sh.batch) * sh.n_head_kv;
+  uint32_t* counters = at<uint32_t>(p.workspace, plan.off_counters);
+
+  ScoreParams sp;
+  sp.q = p.q;
+  sp.kv = p.kv;
+  sp.summaries = p.summaries;
+  sp.n_pages_pool = p.n_pages_pool;
+  sp.group = sh.group;
+  sp.scale = p.scale;
+  sp.chunk_pages = plan.score_chunk_pages;
+  sp.n_chunks = plan.score_chunks;
+  sp.log_mass = at<float>(p.workspace, plan.off_log_mass);
+  sp.log_mass_stride = plan.log_mass_stride;
+  sp.lse_total = at<float>(p.workspace, plan.off_lse_total);
+  sp.chunk_stats = at<float>(p.workspace, plan.off_chunk_stats);
+  sp.counters = counters;
+  sp.pdl = plan.pdl;
+  cudaError_t e = score_pages(sp, stream);
+  if (e != cudaSuccess) return e;
+
+  SelectParams se;
+  se.batch = sh.batch;
+  se.n_head_kv = sh.n_head_kv;
+  se.group = sh.group;
+  se.indptr = p.kv.indptr;
+  se.log_mass = sp.log_mass;
+  se.log_mass_stride = plan.log_mass_stride;
+  se.lse_total = sp.lse_total;
+  se.budget_pages = sh.budget_pages;
+  se.keys = at<uint32_t>(p.workspace, plan.off_keys);
+  se.hist = at<uint32_t>(p.workspace, plan.off_hist);
+  se.selected = at<int32_t>(p.workspace, plan.off_selected);
+  se.n_selected = at<int32_t>(p.workspace, plan.off_n_selected);
+  se.pdl = plan.pdl;
+  e = select_pages(se, stream);
+  if (e != cudaSuccess) return e;
+
+  AttentionParams ap;
+  ap.q = p.q;
+  ap.kv = p.kv;
+  ap.group = sh.group;
+  ap.scale = p.scale;
+  ap.selected = se.selected;
+  ap.n_selected = se.n_selected;
+  ap.selected_stride = sh.budget_pages;
+  ap.pages_per_split = plan.sparse_pages_per_split;
+  ap.n_splits = plan.sparse_splits;
+  ap.o = p.o;
+  ap.lse = p.lse;
+  ap.partial_o = at<float>(p.workspace, plan.off_partial_o);
+  ap.partial_lse = at<float>(p.workspace, plan.off_partial_lse);
+  ap.counters = counters + bh;
+  ap.pdl = plan.pdl;
+  return paged_decode_attention(ap, stream);
+}
+
+cudaError_t dense_decode_step(const DecodePlan& plan, const DecodeStepParams& p, cudaStream_t stream) {
+  const DecodeShape& sh = plan.shape;
+  const size_t bh = size_t(sh.batch) * sh.n_head_kv;
+  AttentionParams ap;
+  ap.q = p.q;
+  ap.kv = p.kv;
+  ap.group = sh.group;
+  ap.scale = p.scale;
+  ap.pages_per_split = plan.dense_pages_per_split;
+  ap.n_splits = plan.dense_splits;
+  ap.o = p.o;
+  ap.lse = p.lse;
+  ap.partial_o = at<float>(p.workspace, plan.off_partial_o);
+  ap.partial_lse = at<float>(p.workspace, plan.off_partial_lse);
+  ap.counters = at<uint32_t>(p.workspace, plan.off_counters) + 2 * bh;
+  ap.pdl = plan.pdl;
+  return paged_decode_attention(ap, stream);
+}
+
+}  // namespace locks::cuda

@@ -1,0 +1,267 @@
+// Alg. 2 lines 6-9 on the GPU: group-average shares (Eq. 5) and the selected set = sink page +
+// recent page + top-(k-2) others by share, ties to the lower page index. CPU twin:
+// select_top_pages(..., GroupRule::kShareAverage, ...).
+//
+// Exact top-k without sorting 65536 floats per group: shares are >= 0, so their float bits order
+// like unsigned integers. Kernel 1 (many CTAs) writes each candidate's share bits and a 2048-bin
+// histogram of bits 30..20 (exponent + 3 mantissa bits). Kernel 2 (one CTA of 1024 threads per
+// GQA group) finds the threshold bin from the histogram, marks every page above it, and resolves
+// the threshold bin exactly with a radix select over the 64-bit key (share bits << 32 | ~index), so
+// equal shares go to the lower index; the result is read out of a bitmap in ascending order.
+#include <cub/block/block_scan.cuh>
+
+#include "common.cuh"
+
+namespace locks::cuda {
+
+namespace {
+
+using namespace detail;
+
+constexpr int kShareThreads = 256;
+constexpr int kSelectThreads = 1024;
+constexpr int kCandCap = 4096;
+
+__global__ void __launch_bounds__(kShareThreads) share_hist_kernel(SelectParams p) {
+  __shared__ uint32_t hist[kHistBins];
+  __shared__ float lse[kMaxGroup];
+  pdl_wait();
+  pdl_launch_dependents();
+  const int b = blockIdx.z, h = blockIdx.y;
+  const size_t bh = size_t(b) * p.n_head_kv + h;
+  const int n = p.indptr[b + 1] - p.indptr[b];
+  const int j0 = blockIdx.x * kShareThreads;
+  if (j0 >= n) return;
+  const int k = max(p.budget_pages, 2);
+  const bool topk = n > k;
+  for (int i = threadIdx.x; i < kHistBins; i += kShareThreads) hist[i] = 0;
+  if (threadIdx.x < p.group) lse[threadIdx.x] = p.lse_total[bh * p.group + threadIdx.x];
+  __syncthreads();
+  const int j = j0 + threadIdx.x;
+  if (j < n) {
+    // Eq. 5: m_bar_j = (1/G) sum_g exp(s_hat_j(q_g) - logsumexp_j' s_hat_j'(q_g)).
+    float acc = 0.0f;
+    for (int g = 0; g < p.group; ++g) {
+      const float lt = lse[g];
+      if (lt != -INFINITY) acc += expf(p.log_mass[(bh * p.group + g) * p.log_mass_stride + j] - lt);
+    }
+    float share = acc / float(p.group);
+    if (!(share >= 0.0f)) share = 0.0f;  // NaN guard: never selected ahead of a real page
+    if (p.shares) p.shares[bh * p.log_mass_stride + j] = share;
+    if (topk && j >= 1 && j <= n - 2) {
+      const uint32_t key = __float_as_uint(share);
+      p.keys[bh * p.log_mass_stride + j] = key;
+      atomicAdd(&hist[key >> 20], 1u);
+    }
+  }
+  if (!topk) return;
+  __syncthreads();
+  uint32_t* gh = p.hist + bh * kHistBins;
+  for (int i = threadIdx.x; i < kHistBins; i += kShareThreads)
+    if (hist[i]) atomicAdd(gh + i, hist[i]);
+}
+
+// Within warp 0: given per-lane counts of 32 consecutive bin groups (lane L owns bins
+// [L * per, (L + 1) * per) of `bins`), find the highest bin b with count(bins >= b) >= need.
+// Returns (bin, count strictly above bin) on lane 0 via the out pointers.
+__device__ void find_threshold(const uint32_t* bins, int per, uint32_t need, int* out_bin, uint32_t* out_above) {
+  const int lane = threadIdx.x & 31;
+  uint32_t local = 0;
+  for (int e = 0; e < per; ++e) local += bins[lane * per + e];
+  uint32_t S = local;  // inclusive suffix sum over lanes
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t v = __shfl_down_sync(kFull, S, o);
+    if (lane + o < 32) S += v;
+  }
+  const unsigned ballot = __ballot_sync(kFull, S >= need);
+  const int lstar = 31 - __clz(int(ballot));
+  if (lane == lstar) {
+    uint32_t above = S - local;
+    int bin = lane * per;
+    for (int e = per - 1; e >= 0; --e) {
+      const uint32_t cnt = bins[lane * per + e];
+      if (above + cnt >= need) {
+        bin = lane * per + e;
+        break;
+      }
+      above += cnt;
+    }
+    *out_bin = bin;
+    *out_above = above;
+  }
+}
+
+// The need-th largest (1-based) of src(i), i < count, by 8-bit radix passes from the top.
+template <class Src>
+__device__ unsigned long long radix_select_desc(Src src, int count, uint32_t need, uint32_t* rhist, int* sh_bin,
+                                                uint32_t* sh_above) {
+  unsigned long long prefix = 0, mask = 0;
+  for (int shift = 56; shift >= 0; shift -= 8) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) rhist[i] = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < count; i += blockDim.x) {
+      const unsigned long long v = src(i);
+      if ((v & mask) == prefix) atomicAdd(&rhist[(v >> shift) & 255u], 1u);
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) find_threshold(rhist, 8, need, sh_bin, sh_above);
+    __syncthreads();
+    need -= *sh_above;
+    prefix |= static_cast<unsigned long long>(*sh_bin) << shift;
+    mask |= 0xffull << shift;
+    __syncthreads();
+  }
+  return prefix;
+}
+
+__global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectParams p) {
+  extern __shared__ uint32_t bitmap[];  // [ceil(log_mass_stride / 32)]
+  __shared__ uint32_t hist[kHistBins];
+  __shared__ unsigned long long cand[kCandCap];
+  __shared__ uint32_t rhist[256];
+  __shared__ int sh_bin;
+  __shared__ uint32_t sh_above;
+  __shared__ int sh_ncand;
+  using Scan = cub::BlockScan<int, kSelectThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+
+  pdl_wait();
+  pdl_launch_dependents();
+  const int b = blockIdx.y, h = blockIdx.x;
+  const size_t bh = size_t(b) * p.n_head_kv + h;
+  const int n = p.indptr[b + 1] - p.indptr[b];
+  const int k = max(p.budget_pages, 2);
+  int32_t* out = p.selected + bh * p.budget_pages;
+  if (n <= k) {  // the budget covers the sequence: every page (equals dense)
+    for (int j = threadIdx.x; j < n; j += kSelectThreads) out[j] = j;
+    if (threadIdx.x == 0) p.n_selected[bh] = max(n, 0);
+    return;
+  }
+  const uint32_t need = uint32_t(k - 2);
+  const uint32_t* keys = p.keys + bh * p.log_mass_stride;
+  uint32_t* gh = p.hist + bh * kHistBins;
+
+  for (int i = threadIdx.x; i < kHistBins; i += kSelectThreads) hist[i] = gh[i];
+  const int n_words = (n + 31) / 32;
+  for (int i = threadIdx.x; i < n_words; i += kSelectThreads) bitmap[i] = 0;
+  if (threadIdx.x == 0) sh_ncand = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < kHistBins; i += kSelectThreads) gh[i] = 0;  // clean for the next step
+  if (threadIdx.x < 32) find_threshold(hist, kHistBins / 32, need, &sh_bin, &sh_above);
+  __syncthreads();
+  const uint32_t tstar = uint32_t(sh_bin);
+  const uint32_t need2 = need - sh_above;  // >= 1 pages still to take from the threshold bin
+
+  // Pages above the threshold bin are in; the threshold bin's pages are candidates.
+  for (int j = 1 + threadIdx.x; j <= n - 2; j += kSelectThreads) {
+    const uint32_t key = keys[j];
+    const uint32_t bin = key >> 20;
+    if (bin > tstar) {
+      atomicOr(&bitmap[j >> 5], 1u << (j & 31));
+    } else if (bin == tstar) {
+      const int pos = atomicAdd(&sh_ncand, 1);
+      if (pos < kCandCap) cand[pos] = (static_cast<unsigned long long>(key) << 32) | (0xffffffffu - uint32_t(j));
+    }
+  }
+  __syncthreads();
+  const int n_cand = sh_ncand;
+  if (n_cand <= kCandCap) {
+    unsigned long long thr = 0;  // take every candidate >= thr
+    if (uint32_t(n_cand) > need2)
+      thr = radix_select_desc([&](int i) { return cand[i]; }, n_cand, need2, rhist, &sh_bin, &sh_above);
+    for (int i = threadIdx.x; i < n_cand; i += kSelectThreads) {
+      const unsigned long long v = cand[i];
+      if (v >= thr) {
+        const uint32_t j = 0xffffffffu - uint32_t(v & 0xffffffffu);
+        atomicOr(&bitmap[j >> 5], 1u << (j & 31));
+      }
+    }
+  } else {
+    // Very many equal-looking shares (e.g. identical pages): the same select over global memory.
+    auto src = [&](int i) -> unsigned long long {
+      const uint32_t j = uint32_t(i + 1);
+      const uint32_t key = keys[j];
+      return (key >> 20) == tstar ? (static_cast<unsigned long long>(key) << 32) | (0xffffffffu - j) : 0ull;
+    };
+    const unsigned long long thr = radix_select_desc(src, n - 2, need2, rhist, &sh_bin, &sh_above);
+    for (int i = threadIdx.x; i < n - 2; i += kSelectThreads) {
+      const unsigned long long v = src(i);
+      if (v != 0ull && v >= thr) {
+        const uint32_t j = uint32_t(i + 1);
+        atomicOr(&bitmap[j >> 5], 1u << (j & 31));
+      }
+    }
+  }
+  if (threadIdx.x == 0) {
+    atomicOr(&bitmap[0], 1u);                                // sink page
+    atomicOr(&bitmap[(n - 1) >> 5], 1u << ((n - 1) & 31));   // recent page
+  }
+  __syncthreads();
+
+  // Bitmap -> ascending positions.
+  const int per = (n_words + kSelectThreads - 1) / kSelectThreads;
+  const int w0 = threadIdx.x * per, w1 = min(n_words, w0 + per);
+  int cnt = 0;
+  for (int w = w0; w < w1; ++w) cnt += __popc(bitmap[w]);
+  int offset = 0;
+  Scan(scan_tmp).ExclusiveSum(cnt, offset);
+  for (int w = w0; w < w1; ++w) {
+    uint32_t bits = bitmap[w];
+    while (bits) {
+      const int e = __ffs(int(bits)) - 1;
+      bits &= bits - 1;
+      if (offset < k) out[offset] = w * 32 + e;
+      ++offset;
+    }
+  }
+  if (threadIdx.x == 0) p.n_selected[bh] = k;
+}
+
+cudaError_t set_select_smem(size_t dyn) {
+  static size_t max_set = 0;  // raised once as needed (a host call, not a stream operation)
+  if (dyn <= max_set) return cudaSuccess;
+  const cudaError_t e = cudaFuncSetAttribute(select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dyn));
+  if (e == cudaSuccess) max_set = dyn;
+  return e;
+}
+
+template <class Kernel>
+cudaError_t launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, bool pdl, cudaStream_t stream,
+                   const SelectParams& p) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, p);
+}
+
+}  // namespace
+
+size_t select_dynamic_smem(int log_mass_stride) { return sizeof(uint32_t) * size_t((log_mass_stride + 31) / 32); }
+
+cudaError_t prepare_select(int log_mass_stride) { return set_select_smem(select_dynamic_smem(log_mass_stride)); }
+
+cudaError_t select_pages(const SelectParams& p, cudaStream_t stream) {
+  if (p.batch <= 0 || p.n_head_kv <= 0) return cudaSuccess;
+  if (p.group < 1 || p.group > kMaxGroup || p.budget_pages < 2 || p.log_mass_stride <= 0 || !p.indptr ||
+      !p.log_mass || !p.lse_total || !p.keys || !p.hist || !p.selected || !p.n_selected)
+    return cudaErrorInvalidValue;
+  const size_t dyn = select_dynamic_smem(p.log_mass_stride);
+  cudaError_t e = set_select_smem(dyn);
+  if (e != cudaSuccess) return e;
+  const dim3 g1(unsigned((p.log_mass_stride + kShareThreads - 1) / kShareThreads), unsigned(p.n_head_kv),
+                unsigned(p.batch));
+  e = launch(share_hist_kernel, g1, dim3(kShareThreads), 0, p.pdl, stream, p);
+  if (e != cudaSuccess) return e;
+  return launch(select_kernel, dim3(unsigned(p.n_head_kv), unsigned(p.batch)), dim3(kSelectThreads), dyn, p.pdl,
+                stream, p);
+}
+
+}  // namespace locks::cuda

@@ -1,0 +1,190 @@
+#include "locks/fidelity.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "locks/attention.h"
+#include "locks/math.h"
+#include "locks/page_summary.h"
+
+namespace locks {
+
+namespace {
+
+std::vector<double> ranks(std::span<const float> x) {
+  std::vector<int> idx(x.size());
+  std::iota(idx.begin(), idx.end(), 0);
+  std::sort(idx.begin(), idx.end(), [&](int a, int b) { return x[a] < x[b]; });
+  std::vector<double> r(x.size());
+  for (size_t i = 0; i < idx.size();) {
+    size_t j = i;
+    while (j + 1 < idx.size() && x[idx[j + 1]] == x[idx[i]]) ++j;
+    const double avg = 0.5 * double(i + j);
+    for (size_t t = i; t <= j; ++t) r[idx[t]] = avg;
+    i = j + 1;
+  }
+  return r;
+}
+
+double nan_div(double a, double b) { return b > 0 ? a / b : std::numeric_limits<double>::quiet_NaN(); }
+
+}  // namespace
+
+double spearman_correlation(std::span<const float> a, std::span<const float> b) {
+  const size_t n = a.size();
+  if (n < 2 || b.size() != n) return std::numeric_limits<double>::quiet_NaN();
+  const auto ra = ranks(a), rb = ranks(b);
+  const double ma = std::accumulate(ra.begin(), ra.end(), 0.0) / n, mb = std::accumulate(rb.begin(), rb.end(), 0.0) / n;
+  double sab = 0, saa = 0, sbb = 0;
+  for (size_t i = 0; i < n; ++i) {
+    sab += (ra[i] - ma) * (rb[i] - mb);
+    saa += (ra[i] - ma) * (ra[i] - ma);
+    sbb += (rb[i] - mb) * (rb[i] - mb);
+  }
+  return saa > 0 && sbb > 0 ? sab / std::sqrt(saa * sbb) : std::numeric_limits<double>::quiet_NaN();
+}
+
+void FidelityStats::add(const FidelityStats& o) {
+  obs += o.obs;
+  lse_abs_err += o.lse_abs_err;
+  lse_n += o.lse_n;
+  logit_abs_err += o.logit_abs_err;
+  logit_n += o.logit_n;
+  spearman += o.spearman;
+  spearman_n += o.spearman_n;
+  coverage += o.coverage;
+  worst_head_coverage += o.worst_head_coverage;
+  oracle_coverage += o.oracle_coverage;
+  output_rel_err += o.output_rel_err;
+  output_n += o.output_n;
+  carrier_obs += o.carrier_obs;
+  carrier_kept += o.carrier_kept;
+  carrier_any_obs += o.carrier_any_obs;
+  carrier_any_kept += o.carrier_any_kept;
+}
+
+FidelityStats::Means FidelityStats::mean() const {
+  return {nan_div(lse_abs_err, lse_n),       nan_div(logit_abs_err, logit_n),
+          nan_div(spearman, spearman_n),     nan_div(coverage, obs),
+          nan_div(worst_head_coverage, obs), nan_div(oracle_coverage, obs),
+          nan_div(output_rel_err, output_n), nan_div(carrier_kept, carrier_obs),
+          nan_div(carrier_any_kept, carrier_any_obs)};
+}
+
+void FidelityProbe::observe(const PagedKvCache& cache, const KvSequence& seq, const Selector& selector, int il,
+                            int kv_head, const float* q, int G, int budget_pages, const Selection& sel) {
+  const auto& cfg = cache.config();
+  const int d = cfg.head_dim, B = cfg.page_size, n_pages = seq.n_pages();
+  const float scale = 1.0f / std::sqrt(float(d));
+  const size_t slot = size_t(il) * cfg.n_head_kv + kv_head;
+  FidelityStats st;
+  st.obs = 1;
+
+  // Exact page log-mass s_j(q_g) for every page and head (reads all keys) and the selector's
+  // per-token reconstruction where it has one.
+  std::vector<float> exact(size_t(G) * n_pages), keys(size_t(B) * d), recon(size_t(B) * d);
+  for (int j = 0; j < n_pages; ++j) {
+    const int n_tok = j == n_pages - 1 ? seq.n_tokens - j * B : B;
+    cache.k_page_f32(il, seq.page_table[j], kv_head, keys.data());
+    for (int g = 0; g < G; ++g)
+      exact[size_t(g) * n_pages + j] = exact_log_mass(keys.data(), n_tok, q + size_t(g) * d, d, scale);
+    if (n_tok == B && selector.reconstruct_keys(il, kv_head, seq.page_table[j], recon.data())) {
+      for (int g = 0; g < G; ++g)
+        for (int i = 0; i < B; ++i) {
+          double e = 0;
+          for (int c = 0; c < d; ++c) e += double(q[size_t(g) * d + c]) * (recon[size_t(i) * d + c] - keys[size_t(i) * d + c]);
+          st.logit_abs_err += std::abs(e) * scale;
+          st.logit_n += 1;
+        }
+    }
+  }
+  // Summary accuracy and ranking: full pages the selector estimated (the partial page is exact).
+  if (!sel.log_mass.empty()) {
+    const int n_full = seq.n_tokens / B;
+    for (int g = 0; g < G; ++g) {
+      const float* est = &sel.log_mass[size_t(g) * n_pages];
+      const float* ex = &exact[size_t(g) * n_pages];
+      for (int j = 0; j < n_full; ++j) {
+        st.lse_abs_err += std::abs(double(est[j]) - ex[j]);
+        st.lse_n += 1;
+      }
+      const double rho = spearman_correlation({est, size_t(n_full)}, {ex, size_t(n_full)});
+      if (!std::isnan(rho)) {
+        st.spearman += rho;
+        st.spearman_n += 1;
+      }
+    }
+  }
+  // Coverage gamma_S per head: exp(LSE over S - LSE over all), and the exact-mass selection's.
+  std::vector<int32_t> oracle_pages;
+  select_top_pages(exact.data(), G, n_pages, budget_pages, GroupRule::kShareAverage, oracle_pages);
+  std::vector<char> in_s(n_pages, 0), in_o(n_pages, 0);
+  for (int32_t j : sel.pages) in_s[j] = 1;
+  for (int32_t j : oracle_pages) in_o[j] = 1;
+  double cov_sum = 0, cov_min = 1, ocov_sum = 0;
+  std::vector<double> group_share(n_pages, 0.0), w(n_pages);  // exact group-average share (Eq. 5)
+  for (int g = 0; g < G; ++g) {
+    const float* ex = &exact[size_t(g) * n_pages];
+    const float mx = max_of(ex, n_pages);
+    double z = 0, zs = 0, zo = 0;
+    for (int j = 0; j < n_pages; ++j) {
+      w[j] = std::exp(double(ex[j]) - mx);
+      z += w[j];
+      if (in_s[j]) zs += w[j];
+      if (in_o[j]) zo += w[j];
+    }
+    for (int j = 0; j < n_pages; ++j) group_share[j] += w[j] / z / G;
+    cov_sum += zs / z;
+    cov_min = std::min(cov_min, zs / z);
+    ocov_sum += zo / z;
+  }
+  st.coverage = cov_sum / G;
+  st.worst_head_coverage = cov_min;
+  st.oracle_coverage = ocov_sum / G;
+
+  // Carrier retention: pages holding the carrier tokens.
+  for (int32_t pos : carrier_positions_) {
+    if (pos < 0 || pos >= seq.n_tokens) continue;
+    const int j = pos / B;
+    st.carrier_any_obs += 1;
+    st.carrier_any_kept += in_s[j];
+    if (group_share[j] >= threshold_) {
+      st.carrier_obs += 1;
+      st.carrier_kept += in_s[j];
+    }
+  }
+
+  // Output error of attention restricted to S against dense attention (Eq. 1's left side).
+  std::vector<int32_t> all(n_pages);
+  std::iota(all.begin(), all.end(), 0);
+  std::vector<float> o(size_t(G) * d), os(size_t(G) * d);
+  paged_decode_attention(cache, il, kv_head, seq, all, q, G, scale, o.data(), nullptr);
+  paged_decode_attention(cache, il, kv_head, seq, sel.pages, q, G, scale, os.data(), nullptr);
+  for (int g = 0; g < G; ++g) {
+    double num = 0, den = 0;
+    for (int c = 0; c < d; ++c) {
+      const double a = o[size_t(g) * d + c], b = os[size_t(g) * d + c];
+      num += (a - b) * (a - b);
+      den += a * a;
+    }
+    if (den > 0) {
+      st.output_rel_err += std::sqrt(num / den);
+      st.output_n += 1;
+    }
+  }
+#pragma omp critical(locks_fidelity_probe)
+  {
+    if (per_head_.size() <= slot) per_head_.resize(size_t(cfg.n_layer) * cfg.n_head_kv);
+    per_head_[slot].add(st);
+  }
+}
+
+FidelityStats FidelityProbe::total() const {
+  FidelityStats t;
+  for (const auto& s : per_head_) t.add(s);
+  return t;
+}
+
+}  // namespace locks

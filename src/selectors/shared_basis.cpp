@@ -1,0 +1,212 @@
+// Shared key bases (sequence and global scope): PCA fit, offline calibration, matched-bytes rank,
+// and the per-page half of a shared-basis summary scored with Eq. 4.
+#include "locks/shared_basis.h"
+
+#include <Eigen/Dense>
+
+#include <algorithm>
+#include <cmath>
+#include <exception>
+#include <stdexcept>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "locks/math.h"
+#include "selectors/qvec.h"
+#include "selectors/selectors.h"
+
+namespace locks {
+
+std::vector<float> pca_key_basis(const float* keys, size_t n_keys, int d, int rank) {
+  if (d < 1) throw std::invalid_argument(fmt::format("key basis: head_dim {}", d));
+  if (rank < 1 || rank > d) throw std::invalid_argument(fmt::format("key basis: rank {} outside [1, head_dim {}]", rank, d));
+  if (n_keys == 0) throw std::invalid_argument("key basis: no keys to fit");
+  Eigen::VectorXd mean = Eigen::VectorXd::Zero(d);
+  for (size_t i = 0; i < n_keys; ++i)
+    for (int c = 0; c < d; ++c) {
+      const float x = keys[i * d + c];
+      if (!std::isfinite(x)) throw std::invalid_argument(fmt::format("key basis: non-finite key at row {}, dim {}", i, c));
+      mean[c] += x;
+    }
+  mean /= double(n_keys);
+  // Covariance (unnormalised) from centered keys, accumulated in float64 blocks of rows.
+  Eigen::MatrixXd cov = Eigen::MatrixXd::Zero(d, d);
+  constexpr size_t kBlock = 1024;
+  Eigen::MatrixXd X(kBlock, d);
+  for (size_t i0 = 0; i0 < n_keys; i0 += kBlock) {
+    const size_t n = std::min(kBlock, n_keys - i0);
+    for (size_t i = 0; i < n; ++i)
+      for (int c = 0; c < d; ++c) X(Eigen::Index(i), c) = double(keys[(i0 + i) * d + c]) - mean[c];
+    cov.selfadjointView<Eigen::Lower>().rankUpdate(X.topRows(Eigen::Index(n)).transpose());
+  }
+  cov = cov.selfadjointView<Eigen::Lower>();
+  Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd> es(cov);
+  if (es.info() != Eigen::Success) throw std::runtime_error("key basis: eigensolver did not converge");
+  // Eigenvalues ascending: the top `rank` directions are the last columns.
+  std::vector<float> basis(size_t(rank) * d);
+  for (int k = 0; k < rank; ++k) {
+    const auto v = es.eigenvectors().col(d - 1 - k);
+    int arg = 0;
+    for (int c = 1; c < d; ++c)
+      if (std::abs(v[c]) > std::abs(v[arg])) arg = c;
+    const double sign = v[arg] < 0.0 ? -1.0 : 1.0;
+    for (int c = 0; c < d; ++c) basis[size_t(k) * d + c] = float(sign * v[c]);
+  }
+  return basis;
+}
+
+GlobalBasis calibrate_global_basis(const PagedKvCache& cache, const KvSequence& seq, int rank) {
+  const auto& cfg = cache.config();
+  const int d = cfg.head_dim, B = cfg.page_size;
+  if (seq.n_tokens <= 0) throw std::invalid_argument("global basis calibration: the calibration sequence is empty");
+  if (rank < 1 || rank > d)
+    throw std::invalid_argument(fmt::format("global basis calibration: rank {} outside [1, head_dim {}]", rank, d));
+  GlobalBasis gb;
+  gb.n_layer = cfg.n_layer;
+  gb.n_head_kv = cfg.n_head_kv;
+  gb.head_dim = d;
+  gb.rank = rank;
+  gb.basis.resize(size_t(cfg.n_layer) * cfg.n_head_kv);
+  const int n = cfg.n_layer * cfg.n_head_kv;
+  std::exception_ptr error;
+#pragma omp parallel for schedule(dynamic, 1) if (n > 1)
+  for (int t = 0; t < n; ++t) {
+    try {
+      const int il = t / cfg.n_head_kv, h = t % cfg.n_head_kv;
+      std::vector<float> keys(size_t(seq.n_pages()) * B * d);
+      for (int j = 0; j < seq.n_pages(); ++j) cache.k_page_f32(il, seq.page_table[j], h, &keys[size_t(j) * B * d]);
+      gb.basis[t] = pca_key_basis(keys.data(), size_t(seq.n_tokens), d, rank);  // token t is row t
+    } catch (...) {
+#pragma omp critical(locks_global_basis_error)
+      if (!error) error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
+  return gb;
+}
+
+size_t shared_basis_page_bytes(const SummaryFormat& fmt, int page_size, int head_dim, int rho) {
+  return qvec::bytes(size_t(head_dim), fmt.centroid_bits) + size_t(page_size) * qvec::bytes(size_t(rho), fmt.coef_bits);
+}
+
+int matched_bytes_rank(const SummaryFormat& fmt, int page_size, int head_dim) {
+  const size_t target = fmt.bytes(page_size, head_dim);
+  int rho = 1;
+  while (rho < head_dim && shared_basis_page_bytes(fmt, page_size, head_dim, rho + 1) <= target) ++rho;
+  return rho;
+}
+
+// ---------------------------------------------------------------------------------------------
+// SharedBasisPages: blob = centroid (centroid_bits) | B coefficient rows of rho (coef_bits).
+// ---------------------------------------------------------------------------------------------
+
+SharedBasisPages::SharedBasisPages(const KvCacheConfig& cfg, int rho, int coef_bits, int centroid_bits)
+    : rho_(rho), B_(cfg.page_size), d_(cfg.head_dim), coef_bits_(coef_bits), centroid_bits_(centroid_bits) {
+  if (rho < 1 || rho > cfg.head_dim)
+    throw std::invalid_argument(fmt::format("shared basis rank {} outside [1, head_dim {}]", rho, cfg.head_dim));
+  if (coef_bits != 32 && coef_bits != 8)
+    throw std::invalid_argument(fmt::format("coefficient precision {} bits: expected 32 or 8", coef_bits));
+  if (centroid_bits != 32 && centroid_bits != 8)
+    throw std::invalid_argument(fmt::format("centroid precision {} bits: expected 32 or 8", centroid_bits));
+  SummaryFormat f;
+  f.coef_bits = coef_bits;
+  f.centroid_bits = centroid_bits;
+  store_ = PageBlobStore(cfg, shared_basis_page_bytes(f, B_, d_, rho));
+}
+
+void SharedBasisPages::build(int il, int h, int32_t page, const float* keys, const float* basis) {
+  const int B = B_, d = d_, rho = rho_;
+  std::vector<double> mu(d, 0.0);
+  for (int i = 0; i < B; ++i)
+    for (int c = 0; c < d; ++c) mu[c] += keys[size_t(i) * d + c];
+  for (int c = 0; c < d; ++c) mu[c] /= B;
+  std::vector<float> muf(mu.begin(), mu.end()), coef(rho);
+  uint8_t* blob = store_.blob(il, h, page);
+  qvec::encode(muf.data(), d, centroid_bits_, blob, "centroid");
+  const size_t mu_bytes = qvec::bytes(size_t(d), centroid_bits_), row_bytes = qvec::bytes(size_t(rho), coef_bits_);
+  for (int i = 0; i < B; ++i) {
+    // c_i = V (k_i - mu_j): coordinates of the centered key in the shared basis.
+    for (int k = 0; k < rho; ++k) {
+      double acc = 0.0;
+      for (int c = 0; c < d; ++c) acc += double(basis[size_t(k) * d + c]) * (double(keys[size_t(i) * d + c]) - mu[c]);
+      coef[k] = float(acc);
+    }
+    qvec::encode(coef.data(), rho, coef_bits_, blob + mu_bytes + size_t(i) * row_bytes, "coefficient row");
+  }
+  store_.set_valid(il, h, page);
+}
+
+void SharedBasisPages::load(int il, int h, int32_t page, std::vector<float>& mu, std::vector<float>& coef) const {
+  const uint8_t* blob = store_.blob(il, h, page);
+  const size_t mu_bytes = qvec::bytes(size_t(d_), centroid_bits_), row_bytes = qvec::bytes(size_t(rho_), coef_bits_);
+  mu.resize(d_);
+  coef.resize(size_t(B_) * rho_);
+  qvec::decode(blob, d_, centroid_bits_, mu.data());
+  for (int i = 0; i < B_; ++i) qvec::decode(blob + mu_bytes + size_t(i) * row_bytes, rho_, coef_bits_, &coef[size_t(i) * rho_]);
+}
+
+bool SharedBasisPages::reconstruct(int il, int h, int32_t page, const float* basis, float* out) const {
+  if (!basis || !store_.has(il, h, page)) return false;
+  std::vector<float> mu, coef;
+  load(il, h, page, mu, coef);
+  for (int i = 0; i < B_; ++i)
+    for (int c = 0; c < d_; ++c) {
+      float acc = mu[c];
+      for (int k = 0; k < rho_; ++k) acc += coef[size_t(i) * rho_ + k] * basis[size_t(k) * d_ + c];
+      out[size_t(i) * d_ + c] = acc;
+    }
+  return true;
+}
+
+size_t SharedBasisPages::estimate(const float* basis, const PagedKvCache& cache, const SelectionRequest& req,
+                                  std::vector<float>& log_mass) const {
+  const int d = d_, B = B_, rho = rho_, n_pages = req.seq->n_pages(), G = req.n_group;
+  const float scale = 1.0f / std::sqrt(float(d));
+  log_mass.assign(size_t(G) * n_pages, kNegInf);
+  // Eq. 4 with a shared basis: (V q_g) is computed once per step for all pages. Without a basis
+  // (sequence-basis before any full page existed) every page is scored from its keys.
+  std::vector<float> wq(size_t(G) * rho, 0.0f);
+  for (int g = 0; g < G && basis; ++g)
+    for (int k = 0; k < rho; ++k) {
+      float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+      for (int c = 0; c < d; ++c) acc += req.q[size_t(g) * d + c] * basis[size_t(k) * d + c];
+      wq[size_t(g) * rho + k] = acc;
+    }
+  size_t bytes = 0;
+  bool used_basis = false;
+  std::vector<float> mu, coef, keys, logits(B);
+  for (int j = 0; j < n_pages; ++j) {
+    const int32_t page = req.seq->page_table[j];
+    if (!basis || !store_.has(req.il, req.kv_head, page) || page_tokens(*req.seq, j, B) != B) {
+      bytes += exact_page_estimate(cache, req, j, /*max_logit=*/false, keys, log_mass.data());
+      continue;
+    }
+    load(req.il, req.kv_head, page, mu, coef);
+    bytes += store_.blob_bytes();
+    used_basis = true;
+    for (int g = 0; g < G; ++g) {
+      const float* q = req.q + size_t(g) * d;
+      const float* w = &wq[size_t(g) * rho];
+      float a = 0.0f;
+#pragma omp simd reduction(+ : a)
+      for (int c = 0; c < d; ++c) a += q[c] * mu[c];
+      float mx = kNegInf;
+      for (int i = 0; i < B; ++i) {
+        float acc = a;
+#pragma omp simd reduction(+ : acc)
+        for (int k = 0; k < rho; ++k) acc += w[k] * coef[size_t(i) * rho + k];
+        logits[i] = acc * scale;
+        mx = std::max(mx, logits[i]);
+      }
+      float l = 0.0f;
+      for (int i = 0; i < B; ++i) l += fast_exp(logits[i] - mx);
+      log_mass[size_t(g) * n_pages + j] = mx + std::log(l);
+    }
+  }
+  if (used_basis) bytes += size_t(rho) * d * 4;  // the shared basis, float32, once per step
+  return bytes;
+}
+
+}  // namespace locks

@@ -1,0 +1,965 @@
+// CUDA kernels against their CPU twins (test-backend-ops style): summary build vs
+// build_page_summary + PageSummaryStore, score pass vs PageSummaryStore::score / exact_log_mass,
+// select vs select_top_pages (by captured share mass; exact on ties), attention vs
+// paged_decode_attention (relative error < 1e-3), and the whole LOCKS step (also replayed from a
+// CUDA graph). Random pages with realistic spectra, degenerate pages, and real keys from the
+// reference model. Every device test skips when no usable CUDA device is present.
+#include <gtest/gtest.h>
+
+#ifdef LOCKS_WITH_CUDA
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "locks/attention.h"
+#include "locks/cuda/kernels.h"
+#include "locks/kv_cache.h"
+#include "locks/model.h"
+#include "locks/page_summary.h"
+#include "locks/selector.h"
+#include "locks/session.h"
+#include "test_paths.h"
+
+using namespace locks;
+namespace lc = locks::cuda;
+
+namespace {
+
+#define SKIP_WITHOUT_CUDA()                                    \
+  do {                                                         \
+    std::string why_;                                          \
+    if (!lc::device_available(&why_)) GTEST_SKIP() << why_;    \
+  } while (0)
+
+void ck(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+template <class T>
+struct Dev {
+  T* p = nullptr;
+  size_t n = 0;
+  Dev() = default;
+  explicit Dev(size_t count) : n(count) { ck(cudaMalloc(reinterpret_cast<void**>(&p), std::max<size_t>(1, n) * sizeof(T)), "cudaMalloc"); }
+  explicit Dev(const std::vector<T>& v) : Dev(v.size()) { up(v); }
+  Dev(const Dev&) = delete;
+  Dev& operator=(const Dev&) = delete;
+  Dev(Dev&& o) noexcept : p(o.p), n(o.n) { o.p = nullptr; }
+  Dev& operator=(Dev&& o) noexcept {
+    std::swap(p, o.p);
+    std::swap(n, o.n);
+    return *this;
+  }
+  ~Dev() {
+    if (p) cudaFree(p);
+  }
+  void up(const std::vector<T>& v) { ck(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), "up"); }
+  std::vector<T> down() const {
+    std::vector<T> v(n);
+    ck(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), "down");
+    return v;
+  }
+  void fill_bytes(int value) { ck(cudaMemset(p, value, std::max<size_t>(1, n) * sizeof(T)), "memset"); }
+};
+
+void dev_sync() { ck(cudaDeviceSynchronize(), "kernel"); }
+
+uint16_t bf16_bits(float x) {  // x must already be bf16-representable
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return uint16_t(u >> 16);
+}
+float round_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  u &= 0xffff0000u;
+  float r;
+  std::memcpy(&r, &u, 4);
+  return r;
+}
+
+enum class PageKind { kStructured, kZero, kIdentical, kRank2 };
+
+/// A CPU paged cache (one layer) with several sequences whose page tables interleave, plus its
+/// device copy and CSR page table.
+struct World {
+  int d = 128, H = 2, G = 4;
+  lc::KvType dtype = lc::KvType::kF16;
+  std::vector<int> lengths;
+  KvCacheConfig cfg;
+  std::unique_ptr<PagedKvCache> cache;
+  std::vector<KvSequence> seqs;
+  std::vector<int32_t> indptr, indices, last_len;
+  Dev<uint16_t> dk, dv;
+  Dev<int32_t> d_indptr, d_indices, d_last;
+  int max_pages = 0;
+
+  World(int d_, int H_, int G_, std::vector<int> lens, lc::KvType t, uint64_t seed, bool special_pages = true)
+      : d(d_), H(H_), G(G_), dtype(t), lengths(std::move(lens)) {
+    int pages = 0;
+    for (int L : lengths) pages += (L + 15) / 16;
+    cfg.n_layer = 1;
+    cfg.n_head_kv = H;
+    cfg.head_dim = d;
+    cfg.page_size = 16;
+    cfg.n_pages = pages + 3;
+    cfg.dtype = t == lc::KvType::kF16 ? KvDtype::F16 : KvDtype::F32;
+    cache = std::make_unique<PagedKvCache>(cfg);
+    seqs.resize(lengths.size());
+    // Interleave allocation so page tables are not contiguous runs.
+    std::vector<int> done(lengths.size(), 0);
+    for (bool more = true; more;) {
+      more = false;
+      for (size_t b = 0; b < lengths.size(); ++b) {
+        const int n = std::min(16, lengths[b] - done[b]);
+        if (n <= 0) continue;
+        cache->append_tokens(seqs[b], n);
+        done[b] += n;
+        more = true;
+      }
+    }
+    std::mt19937 rng{uint32_t(seed)};
+    std::normal_distribution<float> N(0.0f, 1.0f);
+    std::vector<float> k(size_t(H) * d), v(size_t(H) * d), base(size_t(H) * d), dir2(size_t(H) * d);
+    for (size_t b = 0; b < lengths.size(); ++b) {
+      PageKind kind = PageKind::kStructured;
+      for (int pos = 0; pos < lengths[b]; ++pos) {
+        if (pos % 16 == 0) {
+          const int page = pos / 16;
+          kind = !special_pages || page < 2 ? PageKind::kStructured
+                 : page % 11 == 3          ? PageKind::kZero
+                 : page % 11 == 6          ? PageKind::kIdentical
+                 : page % 11 == 8          ? PageKind::kRank2
+                                           : PageKind::kStructured;
+          for (auto& x : base) x = 2.0f * N(rng);
+          for (auto& x : dir2) x = N(rng);
+        }
+        const float a = N(rng), c2 = N(rng);
+        for (int i = 0; i < H * d; ++i) {
+          float kx = 0.0f;
+          switch (kind) {
+            case PageKind::kStructured: kx = base[i] + 0.5f * N(rng); break;
+            case PageKind::kZero: kx = 0.0f; break;
+            case PageKind::kIdentical: kx = base[i]; break;
+            case PageKind::kRank2: kx = base[i] + a * dir2[i] + c2 * (i % 3 == 0 ? 1.0f : -0.5f); break;
+          }
+          float vx = N(rng);
+          if (t == lc::KvType::kBF16) {
+            kx = round_bf16(kx);
+            vx = round_bf16(vx);
+          }
+          k[i] = kx;
+          v[i] = vx;
+        }
+        cache->write(0, seqs[b], pos, k.data(), v.data());
+      }
+    }
+    finish();
+  }
+
+  /// From an existing cache (real model keys): one layer `il`, one sequence.
+  World(const PagedKvCache& src, const KvSequence& seq, int il, int G_)
+      : d(src.config().head_dim), H(src.config().n_head_kv), G(G_), dtype(lc::KvType::kF16) {
+    lengths = {seq.n_tokens};
+    cfg = src.config();
+    cfg.n_layer = 1;
+    cfg.dtype = KvDtype::F16;
+    cache = std::make_unique<PagedKvCache>(cfg);
+    seqs.resize(1);
+    cache->append_tokens(seqs[0], seq.n_tokens);
+    std::vector<float> k(size_t(H) * d), v(size_t(H) * d), kp(size_t(16) * d), vp(size_t(16) * d);
+    for (int pos = 0; pos < seq.n_tokens; ++pos) {
+      const int32_t page = seq.page_table[pos / 16];
+      for (int h = 0; h < H; ++h) {
+        src.k_page_f32(il, page, h, kp.data());
+        src.v_page_f32(il, page, h, vp.data());
+        std::copy_n(&kp[size_t(pos % 16) * d], d, &k[size_t(h) * d]);
+        std::copy_n(&vp[size_t(pos % 16) * d], d, &v[size_t(h) * d]);
+      }
+      cache->write(0, seqs[0], pos, k.data(), v.data());
+    }
+    finish();
+  }
+
+  void finish() {
+    indptr = {0};
+    for (const auto& s : seqs) {
+      indices.insert(indices.end(), s.page_table.begin(), s.page_table.end());
+      indptr.push_back(int32_t(indices.size()));
+      last_len.push_back(s.n_pages() ? s.n_tokens - 16 * (s.n_pages() - 1) : 16);
+      max_pages = std::max(max_pages, s.n_pages());
+    }
+    // Device copy of the layer: [n_pages][H][16][d] of the device dtype.
+    const size_t elems = size_t(cfg.n_pages) * H * 16 * d;
+    std::vector<uint16_t> hk(elems), hv(elems);
+    if (cfg.dtype == KvDtype::F16) {
+      std::memcpy(hk.data(), cache->k_page(0, 0, 0), elems * 2);
+      std::memcpy(hv.data(), cache->v_page(0, 0, 0), elems * 2);
+    } else {
+      std::vector<float> buf(size_t(16) * d);
+      for (int pg = 0; pg < cfg.n_pages; ++pg)
+        for (int h = 0; h < H; ++h) {
+          const size_t o = (size_t(pg) * H + h) * 16 * d;
+          cache->k_page_f32(0, pg, h, buf.data());
+          for (size_t i = 0; i < buf.size(); ++i) hk[o + i] = bf16_bits(buf[i]);
+          cache->v_page_f32(0, pg, h, buf.data());
+          for (size_t i = 0; i < buf.size(); ++i) hv[o + i] = bf16_bits(buf[i]);
+        }
+    }
+    dk = Dev<uint16_t>(hk);
+    dv = Dev<uint16_t>(hv);
+    d_indptr = Dev<int32_t>(indptr);
+    d_indices = Dev<int32_t>(indices.empty() ? std::vector<int32_t>{0} : indices);
+    d_last = Dev<int32_t>(last_len);
+  }
+
+  lc::PagedKvView view() const {
+    lc::PagedKvView v;
+    v.k = dk.p;
+    v.v = dv.p;
+    v.dtype = dtype;
+    v.n_head_kv = H;
+    v.head_dim = d;
+    v.batch = int(seqs.size());
+    v.indptr = d_indptr.p;
+    v.indices = d_indices.p;
+    v.last_page_len = d_last.p;
+    return v;
+  }
+  int B() const { return int(seqs.size()); }
+  std::vector<float> keys(int32_t page, int h) const {
+    std::vector<float> k(size_t(16) * d);
+    cache->k_page_f32(0, page, h, k.data());
+    return k;
+  }
+  /// Queries [B][H*G][d]: for realism, a key of the sequence plus noise, random scale.
+  std::vector<float> queries(uint64_t seed) const {
+    std::mt19937 rng{uint32_t(seed)};
+    std::normal_distribution<float> N(0.0f, 1.0f);
+    std::vector<float> q(size_t(B()) * H * G * d);
+    for (int b = 0; b < B(); ++b)
+      for (int h = 0; h < H; ++h)
+        for (int g = 0; g < G; ++g) {
+          float* qq = &q[((size_t(b) * H + h) * G + g) * d];
+          const int n = seqs[b].n_tokens;
+          if (n > 0 && g % 2 == 0) {
+            const int pos = int(rng() % uint32_t(n));
+            const auto k = keys(seqs[b].page_table[pos / 16], h);
+            const float s = 0.5f + float(rng() % 100) / 50.0f;
+            for (int x = 0; x < d; ++x) qq[x] = s * k[size_t(pos % 16) * d + x] + 0.3f * N(rng);
+          } else {
+            for (int x = 0; x < d; ++x) qq[x] = N(rng);
+          }
+        }
+    return q;
+  }
+};
+
+/// CPU summaries (the reference store) and the same summaries packed for the device.
+struct Summaries {
+  PageSummaryStore store;
+  std::vector<uint8_t> records;
+  std::vector<float> tails;
+  Summaries(const World& w) : store(SummaryFormat{8, 4, 8, 8}, 1, w.H, w.cfg.n_pages, 16, w.d) {
+    const size_t rb = lc::summary_record_bytes(w.d);
+    records.assign(size_t(w.H) * w.cfg.n_pages * rb, 0);
+    tails.assign(size_t(w.H) * w.cfg.n_pages, 0.0f);
+    for (const auto& s : w.seqs)
+      for (int j = 0; j < s.n_pages(); ++j) {
+        if (s.n_tokens - 16 * j < 16) continue;  // full pages only
+        const int32_t page = s.page_table[j];
+        for (int h = 0; h < w.H; ++h) {
+          const auto k = w.keys(page, h);
+          const PageSummaryF32 f = build_page_summary(k.data(), 16, w.d, 8);
+          store.store(0, h, page, f);
+          lc::pack_summary_record(f.centroid.data(), f.basis.data(), f.coef.data(), w.d,
+                                  &records[(size_t(h) * w.cfg.n_pages + page) * rb]);
+          tails[size_t(h) * w.cfg.n_pages + page] = f.tail;
+        }
+      }
+  }
+};
+
+/// CPU log-mass [B][H][G][stride] as the CPU LOCKS selector computes it.
+std::vector<float> cpu_log_mass(const World& w, const PageSummaryStore& st, const std::vector<float>& q, int stride) {
+  std::vector<float> lm(size_t(w.B()) * w.H * w.G * stride, 0.0f);
+  const float scale = 1.0f / std::sqrt(float(w.d));
+  std::vector<float> tmp(w.G);
+  for (int b = 0; b < w.B(); ++b)
+    for (int h = 0; h < w.H; ++h) {
+      const float* qq = &q[(size_t(b) * w.H + h) * w.G * w.d];
+      const auto& s = w.seqs[b];
+      for (int j = 0; j < s.n_pages(); ++j) {
+        const int n_tok = s.n_tokens - 16 * j >= 16 ? 16 : s.n_tokens - 16 * j;
+        if (n_tok == 16) {
+          st.score(0, h, s.page_table[j], qq, w.G, scale, tmp.data());
+        } else {
+          const auto k = w.keys(s.page_table[j], h);
+          for (int g = 0; g < w.G; ++g) tmp[g] = exact_log_mass(k.data(), n_tok, qq + size_t(g) * w.d, w.d, scale);
+        }
+        for (int g = 0; g < w.G; ++g) lm[((size_t(b) * w.H + h) * w.G + g) * stride + j] = tmp[g];
+      }
+    }
+  return lm;
+}
+
+double lse_of(const float* x, int n) {
+  double m = -INFINITY;
+  for (int i = 0; i < n; ++i) m = std::max(m, double(x[i]));
+  if (m == -INFINITY) return m;
+  double s = 0.0;
+  for (int i = 0; i < n; ++i) s += std::exp(double(x[i]) - m);
+  return m + std::log(s);
+}
+
+struct ScoreOut {
+  std::vector<float> log_mass, lse_total;
+  int stride = 0;
+};
+
+ScoreOut run_score(const World& w, const std::vector<uint8_t>& records, const std::vector<float>& q, int chunk_pages) {
+  ScoreOut out;
+  out.stride = (w.max_pages + 7) / 8 * 8;
+  const int n_chunks = std::max(1, (w.max_pages + chunk_pages - 1) / chunk_pages);
+  Dev<uint8_t> drec(records);
+  Dev<float> dq(q), dlm(size_t(w.B()) * w.H * w.G * out.stride), dlse(size_t(w.B()) * w.H * w.G),
+      dstats(size_t(w.B()) * w.H * n_chunks * 32);
+  Dev<uint32_t> dcnt(size_t(w.B()) * w.H);
+  dcnt.fill_bytes(0);
+  dlm.fill_bytes(0x7f);  // poison: every scored entry must be written
+  lc::ScoreParams p;
+  p.q = dq.p;
+  p.kv = w.view();
+  p.summaries = drec.p;
+  p.n_pages_pool = w.cfg.n_pages;
+  p.group = w.G;
+  p.scale = 1.0f / std::sqrt(float(w.d));
+  p.chunk_pages = chunk_pages;
+  p.n_chunks = n_chunks;
+  p.log_mass = dlm.p;
+  p.log_mass_stride = out.stride;
+  p.lse_total = dlse.p;
+  p.chunk_stats = dstats.p;
+  p.counters = dcnt.p;
+  p.pdl = true;
+  ck(lc::score_pages(p, nullptr), "score_pages");
+  dev_sync();
+  out.log_mass = dlm.down();
+  out.lse_total = dlse.down();
+  const auto cnt = dcnt.down();
+  for (uint32_t c : cnt) EXPECT_EQ(c, 0u) << "score counters must be left at zero";
+  return out;
+}
+
+// Compare GPU and CPU log-mass of every page; returns the max abs error.
+double check_scores(const World& w, const ScoreOut& g, const std::vector<float>& ref, const char* what) {
+  double worst = 0.0;
+  for (int b = 0; b < w.B(); ++b)
+    for (int h = 0; h < w.H; ++h)
+      for (int gg = 0; gg < w.G; ++gg) {
+        const size_t row = ((size_t(b) * w.H + h) * w.G + gg) * g.stride;
+        const int n = w.seqs[b].n_pages();
+        for (int j = 0; j < n; ++j) {
+          const double a = g.log_mass[row + j], r = ref[row + j];
+          const double err = std::abs(a - r);
+          worst = std::max(worst, err);
+          EXPECT_LE(err, 1e-3 + 1e-4 * std::abs(r))
+              << what << ": b " << b << " h " << h << " g " << gg << " page " << j << " gpu " << a << " cpu " << r;
+        }
+        if (n > 0) {
+          const double lt = lse_of(&ref[row], n);
+          EXPECT_NEAR(g.lse_total[(size_t(b) * w.H + h) * w.G + gg], lt, 1e-3 + 1e-4 * std::abs(lt)) << what;
+        }
+      }
+  return worst;
+}
+
+struct SelectOut {
+  std::vector<int32_t> sel, n_sel;
+  std::vector<float> shares;
+};
+
+SelectOut run_select(int B, int H, int G, const std::vector<int32_t>& indptr, const std::vector<float>& lm,
+                     const std::vector<float>& lse_total, int stride, int k) {
+  Dev<int32_t> dindptr(indptr), dsel(size_t(B) * H * k), dn(size_t(B) * H);
+  Dev<float> dlm(lm), dlse(lse_total), dsh(size_t(B) * H * stride);
+  Dev<uint32_t> dkeys(size_t(B) * H * stride), dhist(size_t(B) * H * lc::kHistBins);
+  dhist.fill_bytes(0);
+  dsel.fill_bytes(0xff);
+  lc::SelectParams p;
+  p.batch = B;
+  p.n_head_kv = H;
+  p.group = G;
+  p.indptr = dindptr.p;
+  p.log_mass = dlm.p;
+  p.log_mass_stride = stride;
+  p.lse_total = dlse.p;
+  p.budget_pages = k;
+  p.keys = dkeys.p;
+  p.hist = dhist.p;
+  p.selected = dsel.p;
+  p.n_selected = dn.p;
+  p.shares = dsh.p;
+  p.pdl = true;
+  ck(lc::select_pages(p, nullptr), "select_pages");
+  dev_sync();
+  SelectOut o{dsel.down(), dn.down(), dsh.down()};
+  const auto hist = dhist.down();
+  for (uint32_t c : hist) EXPECT_EQ(c, 0u) << "select histograms must be left at zero";
+  return o;
+}
+
+// For every (b, h): the GPU set is valid (sorted, unique, sink + recent, size min(k, n)) and captures
+// the same CPU share mass as the CPU selection.
+void check_selection(int B, int H, int G, const std::vector<int32_t>& indptr, const std::vector<float>& lm,
+                     int stride, int k, const SelectOut& o, double tol, bool exact_sets) {
+  double worst = 0.0;
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < H; ++h) {
+      const int n = indptr[b + 1] - indptr[b];
+      const size_t bh = size_t(b) * H + h;
+      std::vector<float> lmc(size_t(G) * n);
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < n; ++j) lmc[size_t(g) * n + j] = lm[(bh * G + g) * stride + j];
+      std::vector<int32_t> ref;
+      std::vector<float> score;
+      select_top_pages(lmc.data(), G, n, k, GroupRule::kShareAverage, ref, &score);
+      const int cnt = o.n_sel[bh];
+      ASSERT_EQ(cnt, std::min(n, std::max(k, 2))) << "b " << b << " h " << h;
+      std::vector<int32_t> got(o.sel.begin() + bh * k, o.sel.begin() + bh * k + cnt);
+      ASSERT_TRUE(std::is_sorted(got.begin(), got.end()));
+      ASSERT_TRUE(std::adjacent_find(got.begin(), got.end()) == got.end()) << "duplicate page";
+      if (n > 0) {
+        ASSERT_EQ(got.front(), 0) << "sink page";
+        ASSERT_EQ(got.back(), n - 1) << "recent page";
+      }
+      for (int32_t j : got) {
+        ASSERT_TRUE(j >= 0 && j < n);
+      }
+      double mg = 0.0, mr = 0.0;
+      for (int32_t j : got) mg += score[j];
+      for (int32_t j : ref) mr += score[j];
+      worst = std::max(worst, std::abs(mg - mr));
+      EXPECT_NEAR(mg, mr, tol) << "captured share mass, b " << b << " h " << h;
+      if (exact_sets) {
+        EXPECT_EQ(got, ref) << "b " << b << " h " << h;
+      }
+    }
+  std::printf("[ select G=%d k=%d ] max captured-mass difference %.2e\n", G, k, worst);
+}
+
+struct AttnOut {
+  std::vector<float> o, lse;
+};
+
+AttnOut run_attention(const World& w, const std::vector<float>& q, const std::vector<int32_t>* sel,
+                      const std::vector<int32_t>* n_sel, int sel_stride, int pps) {
+  int max_list = 0;
+  for (int b = 0; b < w.B(); ++b)
+    for (int h = 0; h < w.H; ++h)
+      max_list = std::max(max_list, sel ? (*n_sel)[size_t(b) * w.H + h] : w.seqs[b].n_pages());
+  const int splits = std::max(1, (max_list + pps - 1) / pps);
+  Dev<float> dq(q), d_o(q.size()), dl(size_t(w.B()) * w.H * w.G), dpo(size_t(w.B()) * w.H * splits * 16 * w.d),
+      dpl(size_t(w.B()) * w.H * splits * 16);
+  Dev<uint32_t> dcnt(size_t(w.B()) * w.H);
+  dcnt.fill_bytes(0);
+  d_o.fill_bytes(0x7f);
+  dl.fill_bytes(0x7f);
+  Dev<int32_t> dsel(sel ? *sel : std::vector<int32_t>{0}), dn(n_sel ? *n_sel : std::vector<int32_t>{0});
+  lc::AttentionParams p;
+  p.q = dq.p;
+  p.kv = w.view();
+  p.group = w.G;
+  p.scale = 1.0f / std::sqrt(float(w.d));
+  p.selected = sel ? dsel.p : nullptr;
+  p.n_selected = sel ? dn.p : nullptr;
+  p.selected_stride = sel_stride;
+  p.pages_per_split = pps;
+  p.n_splits = splits;
+  p.o = d_o.p;
+  p.lse = dl.p;
+  p.partial_o = dpo.p;
+  p.partial_lse = dpl.p;
+  p.counters = dcnt.p;
+  p.pdl = true;
+  ck(lc::paged_decode_attention(p, nullptr), "paged_decode_attention");
+  dev_sync();
+  for (uint32_t c : dcnt.down()) EXPECT_EQ(c, 0u) << "attention counters must be left at zero";
+  return {d_o.down(), dl.down()};
+}
+
+// GPU output vs CPU paged_decode_attention over the same page lists; returns max relative error.
+double check_attention(const World& w, const std::vector<float>& q, const AttnOut& g,
+                       const std::vector<std::vector<int32_t>>& lists, const char* what) {
+  double worst = 0.0;
+  const float scale = 1.0f / std::sqrt(float(w.d));
+  std::vector<float> o(size_t(w.G) * w.d), lse(w.G);
+  for (int b = 0; b < w.B(); ++b)
+    for (int h = 0; h < w.H; ++h) {
+      const size_t bh = size_t(b) * w.H + h;
+      const auto& pages = lists[bh];
+      paged_decode_attention(*w.cache, 0, h, w.seqs[b], pages, &q[bh * w.G * w.d], w.G, scale, o.data(), lse.data());
+      for (int gg = 0; gg < w.G; ++gg) {
+        double num = 0.0, den = 0.0;
+        for (int x = 0; x < w.d; ++x) {
+          const double a = g.o[(bh * w.G + gg) * w.d + x], r = o[size_t(gg) * w.d + x];
+          num += (a - r) * (a - r);
+          den += r * r;
+        }
+        if (pages.empty()) {
+          EXPECT_EQ(num, 0.0) << what << ": empty list must give o = 0";
+          EXPECT_EQ(g.lse[bh * w.G + gg], -INFINITY) << what;
+          continue;
+        }
+        const double rel = std::sqrt(num / std::max(den, 1e-30));
+        worst = std::max(worst, rel);
+        EXPECT_LT(rel, 1e-3) << what << ": b " << b << " h " << h << " g " << gg;
+        EXPECT_NEAR(g.lse[bh * w.G + gg], lse[gg], 1e-3 + 1e-5 * std::abs(lse[gg])) << what;
+      }
+    }
+  return worst;
+}
+
+std::vector<std::vector<int32_t>> dense_lists(const World& w) {
+  std::vector<std::vector<int32_t>> l(size_t(w.B()) * w.H);
+  for (int b = 0; b < w.B(); ++b)
+    for (int h = 0; h < w.H; ++h) {
+      l[size_t(b) * w.H + h].resize(w.seqs[b].n_pages());
+      std::iota(l[size_t(b) * w.H + h].begin(), l[size_t(b) * w.H + h].end(), 0);
+    }
+  return l;
+}
+
+const LlamaModel& reference_model() {
+  static const LlamaModel m = LlamaModel::load(test::source_path("models/locks-ref-a-q8_0.gguf"));
+  return m;
+}
+
+/// Real KV: prefill of the reference model on the haystack text (keys of layer `il`).
+const Session& real_session() {
+  static std::unique_ptr<Session> s;
+  if (!s) {
+    const LlamaModel& m = reference_model();
+    std::ifstream in(test::source_path("examples/haystack.txt"), std::ios::binary);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    std::vector<int32_t> ids = m.tokenizer.encode(ss.str(), true);
+    ids.resize(std::min<size_t>(ids.size(), 1500 + 7));  // 94 pages, the last one partial
+    SessionConfig sc;
+    sc.n_ctx = 2048;
+    s = std::make_unique<Session>(m, sc);
+    s->prefill(ids);
+  }
+  return *s;
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------------------
+// Host-only: the device record packs exactly the CPU store's quantization (runs without a GPU).
+TEST(CudaPack, RecordRoundTripMatchesCpuStore) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> N(0.0f, 1.0f);
+  for (int d : {64, 128}) {
+    PageSummaryStore st(SummaryFormat{8, 4, 8, 8}, 1, 1, 4, 16, d);
+    for (int page = 0; page < 4; ++page) {
+      std::vector<float> keys(size_t(16) * d);
+      for (auto& x : keys) x = page == 1 ? 0.0f : 3.0f * N(rng);
+      const PageSummaryF32 f = build_page_summary(keys.data(), 16, d, 8);
+      st.store(0, 0, page, f);
+      std::vector<uint8_t> rec(lc::summary_record_bytes(d));
+      lc::pack_summary_record(f.centroid.data(), f.basis.data(), f.coef.data(), d, rec.data());
+      std::vector<float> mu(d), V(size_t(8) * d), C(16 * 8);
+      lc::unpack_summary_record(rec.data(), d, mu.data(), V.data(), C.data());
+      const PageSummaryF32 ref = st.load(0, 0, page);
+      EXPECT_EQ(mu, ref.centroid) << "d " << d;
+      EXPECT_EQ(V, ref.basis) << "d " << d;
+      EXPECT_EQ(C, ref.coef) << "d " << d;
+    }
+  }
+  EXPECT_EQ(lc::summary_record_bytes(128), 832u);
+  EXPECT_EQ(lc::summary_record_bytes(64), 512u);
+}
+
+// ------------------------------------------------------------------------------------------------
+TEST(CudaSummary, BuildMatchesCpuOnRandomAndDegeneratePages) {
+  SKIP_WITHOUT_CUDA();
+  for (int d : {64, 128}) {
+    World w(d, 2, 4, {16 * 60, 16 * 37 + 9}, lc::KvType::kF16, 11 + d);
+    Summaries ref(w);
+    std::vector<int32_t> pages;
+    for (const auto& s : w.seqs)
+      for (int j = 0; j < s.n_pages(); ++j)
+        if (s.n_tokens - 16 * j >= 16) pages.push_back(s.page_table[j]);
+    const size_t rb = lc::summary_record_bytes(d);
+    Dev<uint8_t> drec(ref.records.size());
+    Dev<float> dtail(ref.tails.size());
+    Dev<int32_t> dpages(pages);
+    drec.fill_bytes(0);
+    lc::SummaryBuildParams p;
+    p.k = w.dk.p;
+    p.dtype = w.dtype;
+    p.n_head_kv = w.H;
+    p.head_dim = d;
+    p.pages = dpages.p;
+    p.n_pages = int(pages.size());
+    p.n_pages_pool = w.cfg.n_pages;
+    p.records = drec.p;
+    p.tails = dtail.p;
+    ck(lc::summary_build(p, nullptr), "summary_build");
+    dev_sync();
+    const auto rec = drec.down();
+    const auto tails = dtail.down();
+    double worst_rec = 0.0, sum_rec = 0.0;
+    int n_items = 0;
+    for (int32_t page : pages)
+      for (int h = 0; h < w.H; ++h) {
+        const size_t idx = size_t(h) * w.cfg.n_pages + page;
+        std::vector<float> mu(d), V(size_t(8) * d), C(128), mu_r(d), V_r(size_t(8) * d), C_r(128);
+        lc::unpack_summary_record(&rec[idx * rb], d, mu.data(), V.data(), C.data());
+        lc::unpack_summary_record(&ref.records[idx * rb], d, mu_r.data(), V_r.data(), C_r.data());
+        for (float x : V) ASSERT_TRUE(std::isfinite(x));
+        for (float x : C) ASSERT_TRUE(std::isfinite(x));
+        // Centroid: same codes up to one rounding step.
+        float ms = 0.0f;
+        for (float x : mu_r) ms = std::max(ms, std::abs(x));
+        for (int c = 0; c < d; ++c) EXPECT_LE(std::abs(mu[c] - mu_r[c]), 1.01f * ms / 127.0f + 1e-7f);
+        // Rank-8 reconstruction C V (invariant to eigenvector signs).
+        double num = 0.0, den = 0.0;
+        for (int i = 0; i < 16; ++i)
+          for (int c = 0; c < d; ++c) {
+            double a = 0.0, r = 0.0;
+            for (int k = 0; k < 8; ++k) {
+              a += double(C[i * 8 + k]) * V[size_t(k) * d + c];
+              r += double(C_r[i * 8 + k]) * V_r[size_t(k) * d + c];
+            }
+            num += (a - r) * (a - r);
+            den += r * r;
+          }
+        const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+        worst_rec = std::max(worst_rec, rel);
+        sum_rec += rel;
+        ++n_items;
+        EXPECT_LT(rel, 0.05) << "page " << page << " h " << h;
+        EXPECT_NEAR(tails[idx], ref.tails[idx], 1e-4 * std::max(1.0f, ref.tails[idx]) + 1e-3f) << "tail";
+      }
+    EXPECT_LT(sum_rec / n_items, 2e-3) << "mean reconstruction difference";
+    std::printf("[ summary d=%d ] %d (page, head) items, reconstruction rel diff max %.2e mean %.2e\n", d, n_items,
+                worst_rec, sum_rec / n_items);
+
+    // The score from GPU-built summaries agrees with the CPU-built ones.
+    const auto q = w.queries(3);
+    const ScoreOut g = run_score(w, rec, q, 32);
+    const ScoreOut c = run_score(w, ref.records, q, 32);
+    double worst = 0.0;
+    for (size_t i = 0; i < g.log_mass.size(); ++i)
+      if (std::isfinite(c.log_mass[i]) && std::abs(c.log_mass[i]) < 1e30)
+        worst = std::max(worst, double(std::abs(g.log_mass[i] - c.log_mass[i])));
+    EXPECT_LT(worst, 0.25) << "score from GPU- vs CPU-built summaries";
+    std::printf("[ summary d=%d ] max |score(GPU build) - score(CPU build)| = %.3e\n", d, worst);
+  }
+}
+
+TEST(CudaScore, MatchesCpuStoreAllGroupSizes) {
+  SKIP_WITHOUT_CUDA();
+  for (int d : {64, 128})
+    for (int G : {1, 2, 4, 5, 6, 7, 8, 9, 12, 16}) {
+      World w(d, 2, G, {16 * 45 + 3, 16 * 70, 7, 16 * 3 + 15}, lc::KvType::kF16, 100 + d + G);
+      Summaries s(w);
+      const auto q = w.queries(7 + G);
+      const ScoreOut g = run_score(w, s.records, q, G % 2 ? 32 : 64);
+      const auto ref = cpu_log_mass(w, s.store, q, g.stride);
+      const double worst = check_scores(w, g, ref, "score");
+      std::printf("[ score d=%d G=%d ] max |gpu - cpu| = %.2e\n", d, G, worst);
+    }
+}
+
+TEST(CudaSelect, MatchesCpuByCapturedShareMass) {
+  SKIP_WITHOUT_CUDA();
+  std::mt19937 rng(9);
+  std::normal_distribution<float> N(0.0f, 1.0f);
+  for (int G : {1, 4, 7, 16})
+    for (int k : {2, 3, 16, 128}) {
+      const int B = 3, H = 2;
+      const std::vector<int> n = {1500, 200, k + 1};
+      std::vector<int32_t> indptr = {0};
+      int mx = 0;
+      for (int x : n) {
+        indptr.push_back(indptr.back() + x);
+        mx = std::max(mx, x);
+      }
+      const int stride = (mx + 7) / 8 * 8;
+      std::vector<float> lm(size_t(B) * H * G * stride, 0.0f), lse(size_t(B) * H * G);
+      for (int b = 0; b < B; ++b)
+        for (int h = 0; h < H; ++h)
+          for (int g = 0; g < G; ++g) {
+            float* row = &lm[((size_t(b) * H + h) * G + g) * stride];
+            for (int j = 0; j < n[b]; ++j) row[j] = 3.0f * N(rng) + (j % 17 == 0 ? 4.0f : 0.0f);
+            lse[(size_t(b) * H + h) * G + g] = float(lse_of(row, n[b]));
+          }
+      const SelectOut o = run_select(B, H, G, indptr, lm, lse, stride, k);
+      check_selection(B, H, G, indptr, lm, stride, k, o, 1e-6, false);
+      // Shares as the CPU computes them.
+      for (int b = 0; b < B; ++b)
+        for (int h = 0; h < H; ++h) {
+          std::vector<float> lmc(size_t(G) * n[b]);
+          for (int g = 0; g < G; ++g)
+            for (int j = 0; j < n[b]; ++j) lmc[size_t(g) * n[b] + j] = lm[((size_t(b) * H + h) * G + g) * stride + j];
+          std::vector<int32_t> tmp;
+          std::vector<float> sc;
+          select_top_pages(lmc.data(), G, n[b], k, GroupRule::kShareAverage, tmp, &sc);
+          for (int j = 0; j < n[b]; ++j)
+            EXPECT_NEAR(o.shares[(size_t(b) * H + h) * stride + j], sc[j], 1e-6 + 1e-5 * sc[j]);
+        }
+    }
+}
+
+TEST(CudaSelect, ExactOnDuplicatesAndTiesGoToLowerIndex) {
+  SKIP_WITHOUT_CUDA();
+  std::mt19937 rng(21);
+  // Values from a small set: many exact ties, distinct values well apart -> identical sets.
+  // n = 3000 resolves ties in shared memory, n = 9000 (all equal) takes the global fallback.
+  for (int mode = 0; mode < 3; ++mode) {
+    const int B = 1, H = 2, G = 3, k = 100;
+    const int n = mode == 2 ? 9000 : 3000;
+    const int stride = (n + 7) / 8 * 8;
+    std::vector<int32_t> indptr = {0, n};
+    std::vector<float> lm(size_t(B) * H * G * stride, 0.0f), lse(size_t(B) * H * G);
+    for (int h = 0; h < H; ++h)
+      for (int g = 0; g < G; ++g) {
+        float* row = &lm[(size_t(h) * G + g) * stride];
+        for (int j = 0; j < n; ++j) row[j] = mode == 0 ? float(rng() % 6) : mode == 1 ? 1.5f : -2.0f;
+        lse[size_t(h) * G + g] = float(lse_of(row, n));
+      }
+    // Heads of a group see the same values so shares tie exactly.
+    for (int h = 0; h < H; ++h)
+      for (int g = 1; g < G; ++g)
+        std::copy_n(&lm[(size_t(h) * G) * stride], n, &lm[(size_t(h) * G + g) * stride]);
+    for (int h = 0; h < H; ++h)
+      for (int g = 0; g < G; ++g) lse[size_t(h) * G + g] = float(lse_of(&lm[(size_t(h) * G + g) * stride], n));
+    const SelectOut o = run_select(B, H, G, indptr, lm, lse, stride, k);
+    check_selection(B, H, G, indptr, lm, stride, k, o, 1e-7, true);
+    if (mode > 0) {
+      for (int h = 0; h < H; ++h)
+        for (int i = 0; i < k - 1; ++i) EXPECT_EQ(o.sel[size_t(h) * k + i], i) << "ties go to the lower index";
+    }
+  }
+}
+
+TEST(CudaSelect, BudgetCoveringTheSequenceSelectsEveryPage) {
+  SKIP_WITHOUT_CUDA();
+  const int B = 4, H = 1, G = 2, k = 8, stride = 8;
+  std::vector<int32_t> indptr = {0, 1, 3, 11, 11};  // 1, 2, 8 pages and an empty sequence
+  std::vector<float> lm(size_t(B) * H * G * stride, 0.5f), lse(size_t(B) * H * G, 0.0f);
+  const SelectOut o = run_select(B, H, G, indptr, lm, lse, stride, k);
+  for (int b = 0; b < B; ++b) {
+    const int n = indptr[b + 1] - indptr[b];
+    ASSERT_EQ(o.n_sel[b], n);
+    for (int j = 0; j < n; ++j) EXPECT_EQ(o.sel[size_t(b) * k + j], j);
+  }
+}
+
+TEST(CudaAttention, DenseAndSparseMatchCpuF16AndBf16) {
+  SKIP_WITHOUT_CUDA();
+  std::mt19937 rng(33);
+  for (auto dt : {lc::KvType::kF16, lc::KvType::kBF16})
+    for (int d : {64, 128})
+      for (int G : {1, 3, 4, 5, 6, 7, 8, 11, 16}) {
+        World w(d, 2, G, {16 * 40 + 5, 1, 16 * 9, 16 * 2 + 1}, dt, 300 + d + G + int(dt) * 1000, false);
+        const auto q = w.queries(G);
+        const char* tag = dt == lc::KvType::kF16 ? "dense f16" : "dense bf16";
+        double worst = 0.0;
+        for (int pps : {1, 4, 13, 64}) {
+          const AttnOut g = run_attention(w, q, nullptr, nullptr, 0, pps);
+          worst = std::max(worst, check_attention(w, q, g, dense_lists(w), tag));
+        }
+        // Sparse: random ascending subsets with sink and recent, budget 12 pages.
+        const int k = 12;
+        std::vector<int32_t> sel(size_t(w.B()) * w.H * k, -1), nsel(size_t(w.B()) * w.H);
+        std::vector<std::vector<int32_t>> lists(size_t(w.B()) * w.H);
+        for (int b = 0; b < w.B(); ++b)
+          for (int h = 0; h < w.H; ++h) {
+            const int n = w.seqs[b].n_pages();
+            std::set<int32_t> s;
+            s.insert(0);
+            s.insert(n - 1);
+            while (int(s.size()) < std::min(n, k)) s.insert(int32_t(rng() % uint32_t(n)));
+            auto& l = lists[size_t(b) * w.H + h];
+            l.assign(s.begin(), s.end());
+            nsel[size_t(b) * w.H + h] = int32_t(l.size());
+            std::copy(l.begin(), l.end(), sel.begin() + (size_t(b) * w.H + h) * k);
+          }
+        for (int pps : {1, 3, 4}) {
+          const AttnOut g = run_attention(w, q, &sel, &nsel, k, pps);
+          worst = std::max(worst, check_attention(w, q, g, lists, "sparse"));
+        }
+        std::printf("[ attention %s d=%d G=%d ] max rel err %.2e\n", dt == lc::KvType::kF16 ? "f16" : "bf16", d, G,
+                    worst);
+      }
+}
+
+TEST(CudaAttention, EmptyListGivesZeroAndNegInf) {
+  SKIP_WITHOUT_CUDA();
+  World w(64, 1, 5, {40}, lc::KvType::kF16, 1, false);
+  const auto q = w.queries(1);
+  std::vector<int32_t> sel(4, 0), nsel(1, 0);
+  const AttnOut g = run_attention(w, q, &sel, &nsel, 4, 4);
+  check_attention(w, q, g, {{}}, "empty");
+}
+
+// The whole LOCKS step through the plan (GPU-built summaries), eager and from a CUDA graph.
+void run_step_test(World& w, int budget_pages, const char* what) {
+  const auto q = w.queries(77);
+  // GPU summaries of every full page.
+  std::vector<int32_t> pages;
+  for (const auto& s : w.seqs)
+    for (int j = 0; j < s.n_pages(); ++j)
+      if (s.n_tokens - 16 * j >= 16) pages.push_back(s.page_table[j]);
+  const size_t rb = lc::summary_record_bytes(w.d);
+  Dev<uint8_t> drec(size_t(w.H) * w.cfg.n_pages * rb);
+  Dev<int32_t> dpages(pages.empty() ? std::vector<int32_t>{0} : pages);
+  lc::SummaryBuildParams bp;
+  bp.k = w.dk.p;
+  bp.dtype = w.dtype;
+  bp.n_head_kv = w.H;
+  bp.head_dim = w.d;
+  bp.pages = dpages.p;
+  bp.n_pages = int(pages.size());
+  bp.n_pages_pool = w.cfg.n_pages;
+  bp.records = drec.p;
+  ck(lc::summary_build(bp, nullptr), "summary_build");
+
+  lc::DecodeShape sh;
+  sh.batch = w.B();
+  sh.n_head_kv = w.H;
+  sh.group = w.G;
+  sh.head_dim = w.d;
+  sh.dtype = w.dtype;
+  sh.max_pages = w.max_pages;
+  sh.budget_pages = budget_pages;
+  const lc::DecodePlan plan = lc::make_decode_plan(sh);
+  Dev<uint8_t> ws(plan.workspace_bytes);
+  ck(lc::init_decode_workspace(plan, ws.p, nullptr), "init workspace");
+  Dev<float> dq(q), d_o(q.size()), dl(size_t(w.B()) * w.H * w.G);
+  lc::DecodeStepParams sp;
+  sp.q = dq.p;
+  sp.kv = w.view();
+  sp.summaries = drec.p;
+  sp.n_pages_pool = w.cfg.n_pages;
+  sp.scale = 1.0f / std::sqrt(float(w.d));
+  sp.o = d_o.p;
+  sp.lse = dl.p;
+  sp.workspace = ws.p;
+  ck(lc::locks_decode_step(plan, sp, nullptr), "locks_decode_step");
+  dev_sync();
+  const auto o1 = d_o.down();
+  std::vector<float> glm(size_t(w.B()) * w.H * w.G * plan.log_mass_stride);
+  ck(cudaMemcpy(glm.data(), lc::plan_log_mass(plan, ws.p), glm.size() * 4, cudaMemcpyDeviceToHost), "lm");
+  std::vector<int32_t> sel(size_t(w.B()) * w.H * budget_pages), nsel(size_t(w.B()) * w.H);
+  ck(cudaMemcpy(sel.data(), lc::plan_selected(plan, ws.p), sel.size() * 4, cudaMemcpyDeviceToHost), "sel");
+  ck(cudaMemcpy(nsel.data(), lc::plan_n_selected(plan, ws.p), nsel.size() * 4, cudaMemcpyDeviceToHost), "nsel");
+
+  // (1) The selected set vs the CPU LOCKS selector (CPU-built summaries): captured share mass.
+  Summaries ref(w);
+  const auto clm = cpu_log_mass(w, ref.store, q, plan.log_mass_stride);
+  double worst_mass = 0.0;
+  for (int b = 0; b < w.B(); ++b)
+    for (int h = 0; h < w.H; ++h) {
+      const int n = w.seqs[b].n_pages();
+      const size_t bh = size_t(b) * w.H + h;
+      std::vector<float> lmc(size_t(w.G) * n);
+      for (int g = 0; g < w.G; ++g)
+        for (int j = 0; j < n; ++j) lmc[size_t(g) * n + j] = clm[(bh * w.G + g) * plan.log_mass_stride + j];
+      std::vector<int32_t> cpu_sel;
+      std::vector<float> score;
+      select_top_pages(lmc.data(), w.G, n, budget_pages, GroupRule::kShareAverage, cpu_sel, &score);
+      ASSERT_EQ(nsel[bh], int(cpu_sel.size()));
+      double mg = 0.0, mc = 0.0;
+      for (int i = 0; i < nsel[bh]; ++i) mg += score[sel[bh * budget_pages + i]];
+      for (int32_t j : cpu_sel) mc += score[j];
+      worst_mass = std::max(worst_mass, mc - mg);
+      EXPECT_GE(mg, mc - 2e-2) << what << ": GPU set captures less CPU share mass, b " << b << " h " << h;
+    }
+  // (2) The output equals exact attention over the GPU's selected pages.
+  std::vector<std::vector<int32_t>> lists(size_t(w.B()) * w.H);
+  for (size_t bh = 0; bh < lists.size(); ++bh)
+    lists[bh].assign(sel.begin() + bh * budget_pages, sel.begin() + bh * budget_pages + nsel[bh]);
+  const double rel = check_attention(w, q, {o1, dl.down()}, lists, what);
+  std::printf("[ step %s ] captured-mass shortfall vs CPU max %.2e, output rel err max %.2e, plan: score chunk %d, "
+              "sparse %d x %d pages\n",
+              what, worst_mass, rel, plan.score_chunk_pages, plan.sparse_splits, plan.sparse_pages_per_split);
+
+  // (3) CUDA graph: capture once, replay with new queries; equals the eager step.
+  cudaStream_t st;
+  ck(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ck(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "begin capture");
+  ck(lc::locks_decode_step(plan, sp, st), "capture step");
+  ck(cudaStreamEndCapture(st, &graph), "end capture");
+  ck(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  const auto q2 = w.queries(78);
+  for (int rep = 0; rep < 2; ++rep) {
+    dq.up(rep == 0 ? q2 : q);
+    ck(cudaGraphLaunch(exec, st), "graph launch");
+    ck(cudaStreamSynchronize(st), "graph run");
+  }
+  const auto o2 = d_o.down();
+  EXPECT_EQ(o1, o2) << what << ": graph replay must reproduce the eager step exactly";
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(st);
+
+  // (4) Dense step vs CPU dense.
+  ck(lc::dense_decode_step(plan, sp, nullptr), "dense step");
+  dev_sync();
+  const double rel_d = check_attention(w, q, {d_o.down(), dl.down()}, dense_lists(w), "dense step");
+  std::printf("[ step %s ] dense rel err max %.2e, plan: %d x %d pages\n", what, rel_d, plan.dense_splits,
+              plan.dense_pages_per_split);
+}
+
+TEST(CudaDecodeStep, LocksStepMatchesCpuRandomPages) {
+  SKIP_WITHOUT_CUDA();
+  for (int d : {64, 128})
+    for (int G : {4, 6, 16}) {
+      World w(d, 2, G, {16 * 300 + 7, 16 * 90, 16 * 20 + 1}, lc::KvType::kF16, 500 + d + G);
+      run_step_test(w, 32, "random");
+    }
+}
+
+TEST(CudaDecodeStep, LocksStepMatchesCpuOnRealModelKeys) {
+  SKIP_WITHOUT_CUDA();
+  const Session& s = real_session();
+  const int G = reference_model().hp.n_group();
+  for (int il : {0, 3, 7}) {
+    World w(s.cache(), s.sequence(), il, G);
+    // Summaries and scores on real keys.
+    Summaries ref(w);
+    const auto q = w.queries(il);
+    const ScoreOut g = run_score(w, ref.records, q, 32);
+    const auto clm = cpu_log_mass(w, ref.store, q, g.stride);
+    const double worst = check_scores(w, g, clm, "real keys score");
+    std::printf("[ real keys layer %d ] %d pages, max |score gpu - cpu| = %.2e\n", il, w.max_pages, worst);
+    run_step_test(w, 16, "real keys");
+  }
+}
+
+#else  // !LOCKS_WITH_CUDA
+
+TEST(CudaBuild, NotBuiltWithCuda) { GTEST_SKIP() << "built without CUDA (no CUDA compiler found at configure time)"; }
+
+#endif
