@@ -331,14 +331,15 @@ struct ScoreOut {
   int stride = 0;
 };
 
-ScoreOut run_score(const World& w, const std::vector<uint8_t>& records, const std::vector<float>& q, int chunk_pages) {
+ScoreOut run_score(const World& w, const std::vector<uint8_t>& records, const std::vector<float>& q, int chunk_pages,
+                   int grid = 0) {
   ScoreOut out;
   out.stride = (w.max_pages + 7) / 8 * 8;
   const int n_chunks = std::max(1, (w.max_pages + chunk_pages - 1) / chunk_pages);
   Dev<uint8_t> drec(records);
   Dev<float> dq(q), dlm(size_t(w.B()) * w.H * w.G * out.stride), dlse(size_t(w.B()) * w.H * w.G),
       dstats(size_t(w.B()) * w.H * n_chunks * 32);
-  Dev<uint32_t> dcnt(size_t(w.B()) * w.H);
+  Dev<uint32_t> dcnt(lc::score_counters(w.B(), w.H));
   dcnt.fill_bytes(0);
   dlm.fill_bytes(0x7f);  // poison: every scored entry must be written
   lc::ScoreParams p;
@@ -355,6 +356,7 @@ ScoreOut run_score(const World& w, const std::vector<uint8_t>& records, const st
   p.lse_total = dlse.p;
   p.chunk_stats = dstats.p;
   p.counters = dcnt.p;
+  p.grid = grid;
   p.pdl = true;
   ck(lc::score_pages(p, nullptr), "score_pages");
   dev_sync();
@@ -681,7 +683,8 @@ TEST(CudaScore, MatchesCpuStoreAllGroupSizes) {
       World w(d, 2, G, {16 * 45 + 3, 16 * 70, 7, 16 * 3 + 15}, lc::KvType::kF16, 100 + d + G);
       Summaries s(w);
       const auto q = w.queries(7 + G);
-      const ScoreOut g = run_score(w, s.records, q, G % 2 ? 32 : 64);
+      // Chunks of 32 or 64 pages; persistent grids of 3 CTAs (many items each) or a full device.
+      const ScoreOut g = run_score(w, s.records, q, G % 2 ? 32 : 64, G % 3 ? 0 : 3);
       const auto ref = cpu_log_mass(w, s.store, q, g.stride);
       const double worst = check_scores(w, g, ref, "score");
       std::printf("[ score d=%d G=%d ] max |gpu - cpu| = %.2e\n", d, G, worst);

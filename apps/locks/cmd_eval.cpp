@@ -7,6 +7,7 @@
 #include "commands.h"
 #include "locks/eval_runner.h"
 #include "locks/paths.h"
+#include "locks/selector.h"
 
 namespace locks::cli {
 
@@ -17,12 +18,25 @@ Runner add_eval(CLI::App& app) {
   app.add_option("-m,--model", c->model_path, "GGUF model (default: models/locks-ref-a-q8_0.gguf)");
   app.add_option("--corpus", c->corpus_path, "held-out documents (.txt or .txt.xz, 0x1E-separated)")
       ->capture_default_str();
-  app.add_option("--tasks", c->families, "task families: single, multikey, multiquery")
+  app.add_option("--tasks", c->families, "task families: single, multikey, multiquery, continuation")
       ->delimiter(',')->capture_default_str();
   app.add_option("--lengths", c->lengths, "task lengths in tokens")->delimiter(',')->capture_default_str();
   app.add_option("--budgets", c->budgets, "budgets in tokens (multiples of 16, >= 32)")
       ->delimiter(',')->capture_default_str();
-  app.add_option("--selectors", c->selectors, "selectors: full, oracle, locks")->delimiter(',')->capture_default_str();
+  app.add_option("--selectors", c->selectors,
+                 "selectors, each NAME or NAME/key=value/... (keys: r, basis, coef, centroid, rule, rho), e.g. "
+                 "locks/r=4, locks/basis=2, locks/rule=max, sequence-basis/rho=8; names: " +
+                     [] {
+                       std::string n;
+                       for (const auto& x : selector_names()) n += (n.empty() ? "" : ", ") + x;
+                       return n;
+                     }())
+      ->delimiter(',')->capture_default_str();
+  app.add_flag("!--no-fidelity", c->fidelity, "skip the per-step fidelity chain (faster)");
+  app.add_option("--locality-contexts", c->locality_contexts, "contexts per length measured for the locality finding")
+      ->check(CLI::Range(0, 100000))->capture_default_str();
+  app.add_option("--continuation-tokens", c->continuation_tokens, "teacher-forced tokens of the continuation task")
+      ->check(CLI::Range(1, 100000))->capture_default_str();
   app.add_option("--contexts", c->contexts, "contexts per (task, length)")->check(CLI::Range(1, 100000))
       ->capture_default_str();
   app.add_option("--seed", c->seed, "task seed")->capture_default_str();

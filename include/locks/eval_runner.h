@@ -1,6 +1,7 @@
-// `locks eval`: needle-retrieval accuracy of selectors on real held-out text. Each context is
-// prefilled once (dense, as in the paper); every selector x budget forks that prefilled sequence and
-// pushes the questions and answers through decode, teacher-forced, scoring exact match.
+// `locks eval`: one harness for every selector on real held-out text (the paper's Sec. 5).
+// Each context is prefilled once (dense, as in the paper); every selector x budget forks that
+// prefilled sequence and pushes the questions and answers through decode, teacher-forced, scoring
+// exact match, while a FidelityProbe measures the per-step chain at the answer steps.
 #pragma once
 
 #include <cstdint>
@@ -10,23 +11,39 @@
 
 #include "locks/needle_task.h"
 #include "locks/page_summary.h"
+#include "locks/selector.h"
 
 namespace locks {
+
+/// A selector as the evaluation names it: a registry name plus optional variant settings,
+/// written "name/key=value/...", e.g. "locks/r=4", "locks/basis=2", "locks/rule=max",
+/// "sequence-basis/rho=8". Keys: r (rank), basis (32|16|8|4|2), coef (32|8), centroid (32|8),
+/// rule (share-average|max|mass-sum), rho (shared-basis rank; 0 = matched bytes).
+struct SelectorSpec {
+  std::string label;  // the string as given
+  std::string name;   // registry name
+  SelectorOptions opts;
+};
+/// Throws std::invalid_argument naming the bad key or value.
+SelectorSpec parse_selector_spec(const std::string& spec, const SummaryFormat& base);
 
 struct EvalConfig {
   std::string model_path;
   std::string corpus_path;                 // .txt or .txt.xz, documents separated by 0x1E
-  std::vector<std::string> families = {"multikey"};
+  std::vector<std::string> families = {"multikey"};  // single, multikey, multiquery, continuation
   std::vector<int> lengths = {16384};      // tokens per task (context + questions + answers)
   std::vector<int> budgets = {256, 512, 1024};
-  std::vector<std::string> selectors = {"full", "oracle", "locks"};
+  std::vector<std::string> selectors = {"full", "oracle", "locks"};  // SelectorSpec strings
   int contexts = 20;                       // per (family, length)
   uint64_t seed = 1;
-  SummaryFormat summary;                   // LOCKS summary format
+  SummaryFormat summary;                   // base LOCKS summary format
+  bool fidelity = true;                    // FidelityProbe at answer steps
+  int locality_contexts = 3;               // contexts per length measured for the locality finding
+  int continuation_tokens = 64;            // teacher-forced tokens of the continuation task
   std::string out_dir = "eval-out";
 };
 
-/// One (context, selector, budget) outcome; `full` runs once per context with budget 0.
+/// One (context, selector, budget) outcome; budget-free selectors (full) run once with budget 0.
 struct EvalRow {
   std::string family;
   int length = 0;
@@ -34,26 +51,30 @@ struct EvalRow {
   uint64_t task_seed = 0;
   std::string selector;
   int budget = 0;
-  bool correct = false;               // every answer token of every question right
-  int answer_tokens = 0;
-  int answer_tokens_correct = 0;
+  bool correct = false;               // retrieval: every answer token of every question right
+  int answer_tokens = 0;              // continuation: teacher-forced tokens
+  int answer_tokens_correct = 0;      // continuation: top-1 agreements with full attention
+  double kl_vs_full = 0;              // continuation: mean KL(full || selector) per token (nats)
   int64_t decode_steps = 0;
   double bytes_read_per_step = 0;
   double dense_bytes_per_step = 0;
   double read_ratio = 0;              // bytes_read / dense
   int prompt_tokens = 0;
   double decode_seconds = 0;
+  // Fidelity chain at the answer steps (NaN where not applicable).
+  double lse_mae = 0, logit_mae = 0, spearman = 0, coverage = 0, worst_head_coverage = 0, oracle_coverage = 0,
+         output_rel_err = 0, carrier_retention = 0, carrier_retention_any = 0, carrier_obs = 0;
 };
 
 /// Run the grid. Rows are appended to out_dir/results.csv as they finish (an interrupted run keeps
-/// them); out_dir/summary.md is written at the end. `progress` (optional) is called after each
-/// context. Throws std::invalid_argument for unknown families/selectors or bad budgets, and
-/// std::runtime_error for unreadable model/corpus or an unwritable out_dir.
+/// them); summary.md, locality.csv and the SVG plots are written at the end. `progress` (optional)
+/// is called as contexts start and finish. Throws std::invalid_argument for unknown families,
+/// selectors or bad budgets, std::runtime_error for an unreadable model/corpus or unwritable out_dir.
 std::vector<EvalRow> run_eval(const EvalConfig& cfg,
                               const std::function<void(int done, int total, const std::string& what)>& progress = {});
 
-/// Markdown accuracy table (rows: selector; columns: budget) per (family, length), with the mean
-/// read ratio, from finished rows.
+/// Markdown report from finished rows: accuracy per (family, length) as selector x budget, the
+/// continuation agreement, and the fidelity chain per selector x budget.
 std::string eval_summary_markdown(const EvalConfig& cfg, const std::vector<EvalRow>& rows);
 
 }  // namespace locks

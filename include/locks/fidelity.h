@@ -45,6 +45,8 @@ class FidelityProbe {
       : carrier_positions_(std::move(carrier_positions)), threshold_(carrier_mass_threshold) {}
 
   bool enabled = true;  // the session skips the probe (and its cost) while false
+  /// Token positions whose pages count as carrier pages from now on.
+  void set_carriers(std::vector<int32_t> positions) { carrier_positions_ = std::move(positions); }
 
   /// One (layer, KV head) of a decode step: q [G][d], the selector's result (with log_mass when it
   /// scores pages), the budget it had. Thread-safe for distinct kv_head values.

@@ -23,6 +23,7 @@ NeedleFamily parse_needle_family(const std::string& s);  // "single" | "multikey
 
 struct NeedleQuestion {
   std::string key, value;
+  int needle = 0;                   // index into NeedleTask::keys of the needle asked
   std::vector<int32_t> prompt_ids;  // "\nQuestion: ... is" (decoded before the answer; for the
                                     // second question this starts with the "." ending answer 1)
   std::vector<int32_t> answer_ids;  // "▁" + 7 digits, teacher-forced and scored
@@ -34,6 +35,7 @@ struct NeedleTask {
   std::vector<int32_t> context_ids;   // BOS + haystack with needles (prefilled densely)
   std::vector<double> needle_depths;  // fraction of the context where each needle starts
   std::vector<int32_t> needle_pos;    // token position of each needle's first token
+  std::vector<int32_t> value_pos;     // token position of each needle's value (" {value}" starts)
   std::vector<std::string> keys, values;
   std::vector<NeedleQuestion> questions;
   int total_tokens() const;           // context + every question and answer
@@ -45,5 +47,11 @@ struct NeedleTask {
 /// too little text.
 NeedleTask make_needle_task(const std::vector<std::string>& docs, const Tokenizer& tok, NeedleFamily family,
                             int target_tokens, uint64_t seed);
+
+/// Held-out text for the `continuation` task: BOS + whole lines from a seeded start, exactly
+/// `n_tokens` tokens (the last `n_tokens - prefix` of them are teacher-forced through decode).
+/// Throws std::invalid_argument when the documents hold too little text.
+std::vector<int32_t> make_text_tokens(const std::vector<std::string>& docs, const Tokenizer& tok, int n_tokens,
+                                      uint64_t seed);
 
 }  // namespace locks

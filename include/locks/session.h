@@ -55,6 +55,8 @@ class Session {
   const std::vector<float>& decode(int32_t token);
 
   int32_t n_tokens() const { return seq_.n_tokens; }
+  /// Logits [n_vocab] of the last token processed (empty before the first forward).
+  const std::vector<float>& logits() const { return logits_; }
   int n_ctx() const { return n_ctx_; }
   const DecodeTotals& totals() const { return totals_; }
   const PagedKvCache& cache() const { return cache_; }

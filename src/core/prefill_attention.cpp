@@ -14,7 +14,7 @@ namespace locks {
 
 namespace {
 using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-constexpr int kQueryBlock = 32;      // tokens per task (x G rows)
+constexpr int kQueryBlock = 128;      // tokens per task (x G rows)
 constexpr int kKeyBlockPages = 8;    // pages per key block (128 tokens at B = 16)
 }  // namespace
 

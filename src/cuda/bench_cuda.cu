@@ -323,6 +323,7 @@ int run_bench(const BenchOptions& o) {
           scp.lse_total = plan_lse_total(plan, ws.p);
           scp.chunk_stats = reinterpret_cast<float*>(ws.as<char>() + plan.off_chunk_stats);
           scp.counters = reinterpret_cast<uint32_t*>(ws.as<char>() + plan.off_counters);
+          scp.grid = plan.score_grid;
           scp.pdl = o.pdl;
           sep.batch = B;
           sep.n_head_kv = H;
@@ -350,8 +351,9 @@ int run_bench(const BenchOptions& o) {
           atp.lse = sp.lse;
           atp.partial_o = reinterpret_cast<float*>(ws.as<char>() + plan.off_partial_o);
           atp.partial_lse = reinterpret_cast<float*>(ws.as<char>() + plan.off_partial_lse);
-          atp.counters = scp.counters + size_t(B) * H;
+          atp.counters = reinterpret_cast<uint32_t*>(ws.as<char>() + plan.off_counters_sparse);
           atp.pdl = o.pdl;
+          atp.pdl_early_reads = o.pdl;
         }
         cudaGraphExec_t g_locks = capture(s, [&] { ck(locks_decode_step(plan, sp, s), "locks step"); });
         cudaGraphExec_t g_dense = capture(s, [&] { ck(dense_decode_step(plan, sp, s), "dense step"); });

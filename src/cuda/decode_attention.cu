@@ -49,26 +49,16 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
   const int H = p.kv.n_head_kv, G = p.group;
   const size_t bh = size_t(b) * H + h;
 
-  pdl_wait();
+  const bool early = p.pdl_early_reads;
+  if (!early) pdl_wait();
   pdl_launch_dependents();
   const int pbeg = p.kv.indptr[b];
   const int n_pages = p.kv.indptr[b + 1] - pbeg;
   const int last_len = p.kv.last_page_len[b];
   const bool sparse = p.selected != nullptr;
-  const int n_list = n_pages <= 0 ? 0 : (sparse ? p.n_selected[bh] : n_pages);
-  const int pps = p.pages_per_split;
-  const int active = (n_list + pps - 1) / pps;
   float* o_out = p.o + bh * G * D;
-  if (n_list <= 0) {  // empty sequence: o = 0, lse = -inf
-    if (s == 0) {
-      for (int e = threadIdx.x; e < G * D; e += kThreads) o_out[e] = 0.0f;
-      if (p.lse && threadIdx.x < G) p.lse[bh * G + threadIdx.x] = -INFINITY;
-    }
-    return;
-  }
-  if (s >= active) return;
 
-  // q * scale * log2(e) -> A fragments (hi/lo).
+  // q * scale * log2(e) -> A fragments (hi/lo); with early reads this overlaps the previous kernel.
   const float qmul = p.scale * kLog2e;
   const float* qg = p.q + bh * G * D;
   for (int e = threadIdx.x; e < GT * D; e += kThreads) q_s[e / D][e % D] = (e / D) < G ? qg[e] * qmul : 0.0f;
@@ -100,6 +90,19 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
       aq_lo[kk][3] = l23b;
     }
   }
+
+  if (early) pdl_wait();
+  const int n_list = n_pages <= 0 ? 0 : (sparse ? p.n_selected[bh] : n_pages);
+  const int pps = p.pages_per_split;
+  const int active = (n_list + pps - 1) / pps;
+  if (n_list <= 0) {  // empty sequence or list: o = 0, lse = -inf
+    if (s == 0) {
+      for (int e = threadIdx.x; e < G * D; e += kThreads) o_out[e] = 0.0f;
+      if (p.lse && threadIdx.x < G) p.lse[bh * G + threadIdx.x] = -INFINITY;
+    }
+    return;
+  }
+  if (s >= active) return;
 
   float o[NT][4];
 #pragma unroll
@@ -314,30 +317,25 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
     if (p.lse) p.lse[bh * G + row] = lsum > 0.0f ? (M + log2f(lsum)) * kLn2 : -INFINITY;
   }
   __syncthreads();
+  // Each thread: float4 elements (row, x4); all splits' loads of an element issued 16 at a time.
   for (int e = threadIdx.x; e < G * (D / 4); e += kThreads) {
     const int row = e / (D / 4), x4 = e % (D / 4);
+    const float4* src = reinterpret_cast<const float4*>(po0 + row * D) + x4;
+    constexpr int kBatch = 16;
     float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    int ss = 0;
-    for (; ss + 8 <= active; ss += 8) {
-      float4 v[8];
+    for (int s0 = 0; s0 < active; s0 += kBatch) {
+      float4 v[kBatch];
 #pragma unroll
-      for (int u = 0; u < 8; ++u) v[u] = __ldcg(reinterpret_cast<const float4*>(po0 + ((ss + u) * 16 + row) * D) + x4);
+      for (int u = 0; u < kBatch; ++u)
+        v[u] = s0 + u < active ? __ldcg(src + size_t(s0 + u) * 16 * (D / 4)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const float wt = wts[(ss + u) * 16 + row];
+      for (int u = 0; u < kBatch; ++u) {
+        const float wt = s0 + u < active ? wts[(s0 + u) * 16 + row] : 0.0f;
         acc.x += wt * v[u].x;
         acc.y += wt * v[u].y;
         acc.z += wt * v[u].z;
         acc.w += wt * v[u].w;
       }
-    }
-    for (; ss < active; ++ss) {
-      const float4 v = __ldcg(reinterpret_cast<const float4*>(po0 + (ss * 16 + row) * D) + x4);
-      const float wt = wts[ss * 16 + row];
-      acc.x += wt * v.x;
-      acc.y += wt * v.y;
-      acc.z += wt * v.z;
-      acc.w += wt * v.w;
     }
     const float inv = warp_m[0][row];
     reinterpret_cast<float4*>(o_out + row * D)[x4] = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);

@@ -14,6 +14,7 @@ namespace locks::cuda {
 cudaError_t prepare_select(int log_mass_stride);
 int attention_max_splits();
 int attention_ctas_per_sm(int head_dim, int group, KvType dtype);
+int score_ctas_per_sm(int head_dim, int group);
 
 namespace {
 
@@ -82,10 +83,14 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device) {
   const long bh = long(sh.batch) * sh.n_head_kv;
   const int max_splits = attention_max_splits();
 
-  // Score pass: about 8 CTAs per SM in all, chunks a multiple of 32 pages (4 warps x 8 pages).
+  // Score pass: persistent CTAs (fill the device once) over work items of a multiple of 32 pages
+  // (4 warps x 8 pages), about 4 items per CTA so the dynamic queue balances the load.
   const long total_pages = bh * sh.max_pages;
-  p.score_chunk_pages = std::clamp(int(align_up(size_t(div_up(total_pages, long(p.n_sm) * 8)), 32)), 32, 4096);
+  const int score_resident = p.n_sm * score_ctas_per_sm(sh.head_dim, sh.group);
+  p.score_chunk_pages =
+      std::clamp(int(align_up(size_t(div_up(total_pages, long(score_resident) * 4)), 32)), 32, 1024);
   p.score_chunks = div_up(sh.max_pages, p.score_chunk_pages);
+  p.score_grid = int(std::min<long>(score_resident, bh * p.score_chunks));
   p.log_mass_stride = int(align_up(size_t(sh.max_pages), 8));
 
   // Attention: one wave of CTAs; at least one page per warp; at most max_splits splits.
@@ -93,7 +98,7 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device) {
   const int sel = std::min(sh.budget_pages, sh.max_pages);
   {
     const int want = std::max(1, int(slots / bh));
-    int pps = std::max(4, int(align_up(size_t(div_up(sel, want)), 4)));
+    int pps = std::max(8, int(align_up(size_t(div_up(sel, want)), 4)));
     pps = std::max(pps, div_up(sel, max_splits));
     p.sparse_pages_per_split = pps;
     p.sparse_splits = div_up(sel, pps);
@@ -126,7 +131,9 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device) {
   p.off_hist = take(0);
   const size_t zero_begin = p.off_hist;
   take(sizeof(uint32_t) * bh * kHistBins);
-  p.off_counters = take(sizeof(uint32_t) * 3 * bh);
+  p.off_counters = take(sizeof(uint32_t) * score_counters(sh.batch, sh.n_head_kv));
+  p.off_counters_sparse = take(sizeof(uint32_t) * bh);
+  p.off_counters_dense = take(sizeof(uint32_t) * bh);
   p.counters_bytes = off - zero_begin;
   p.workspace_bytes = off;
 
@@ -161,7 +168,6 @@ T* at(void* ws, size_t off) {
 
 cudaError_t locks_decode_step(const DecodePlan& plan, const DecodeStepParams& p, cudaStream_t stream) {
   const DecodeShape& sh = plan.shape;
-  const size_t bh = size_t(sh.batch) * sh.n_head_kv;
   uint32_t* counters = at<uint32_t>(p.workspace, plan.off_counters);
 
   ScoreParams sp;
@@ -178,6 +184,7 @@ cudaError_t locks_decode_step(const DecodePlan& plan, const DecodeStepParams& p,
   sp.lse_total = at<float>(p.workspace, plan.off_lse_total);
   sp.chunk_stats = at<float>(p.workspace, plan.off_chunk_stats);
   sp.counters = counters;
+  sp.grid = plan.score_grid;
   sp.pdl = plan.pdl;
   cudaError_t e = score_pages(sp, stream);
   if (e != cudaSuccess) return e;
@@ -213,14 +220,14 @@ cudaError_t locks_decode_step(const DecodePlan& plan, const DecodeStepParams& p,
   ap.lse = p.lse;
   ap.partial_o = at<float>(p.workspace, plan.off_partial_o);
   ap.partial_lse = at<float>(p.workspace, plan.off_partial_lse);
-  ap.counters = counters + bh;
+  ap.counters = at<uint32_t>(p.workspace, plan.off_counters_sparse);
   ap.pdl = plan.pdl;
+  ap.pdl_early_reads = plan.pdl;  // its predecessor is select_pages, which writes only the selection
   return paged_decode_attention(ap, stream);
 }
 
 cudaError_t dense_decode_step(const DecodePlan& plan, const DecodeStepParams& p, cudaStream_t stream) {
   const DecodeShape& sh = plan.shape;
-  const size_t bh = size_t(sh.batch) * sh.n_head_kv;
   AttentionParams ap;
   ap.q = p.q;
   ap.kv = p.kv;
@@ -232,7 +239,7 @@ cudaError_t dense_decode_step(const DecodePlan& plan, const DecodeStepParams& p,
   ap.lse = p.lse;
   ap.partial_o = at<float>(p.workspace, plan.off_partial_o);
   ap.partial_lse = at<float>(p.workspace, plan.off_partial_lse);
-  ap.counters = at<uint32_t>(p.workspace, plan.off_counters) + 2 * bh;
+  ap.counters = at<uint32_t>(p.workspace, plan.off_counters_dense);
   ap.pdl = plan.pdl;
   return paged_decode_attention(ap, stream);
 }

@@ -1,11 +1,13 @@
 // Byte layout of one device summary record (rank 8, int4 basis, int8 coefficients and centroid),
 // shared by the build kernel, the score kernel and the host packer. Sizes for head dim d:
 //   [0, 4d)          basis codes: column k (k < 8) at k * d/2, dims in natural order, two per byte
-//                    (low nibble = even dim), signed 4-bit two's complement in [-7, 7]
+//                    (low nibble = even dim), offset binary: nibble = code + 8 in [1, 15] (code in
+//                    [-7, 7]), so `word & 0x0f0f0f0f` and `(word >> 4) & 0x0f0f0f0f` are the u8
+//                    operands of an int8 MMA (the offset is subtracted exactly afterwards)
 //   [4d, 4d+128)     coefficient codes, int8: token i = 8*hi + g, column k = 2*t + kk at byte
 //                    (4*g + t) * 4 + 2*hi + kk, so lane 4g+t of a warp reads its 4 bytes with one load
-//   [4d+128, 5d+128) centroid codes, int8: dim c at (c & ~7) + kCentroidSlot[c & 7], i.e. every 8 dims
-//                    are stored as (0,4,1,5,2,6,3,7) so two f16 pairs unpack from one word
+//   [4d+128, 5d+128) centroid codes, int8: every 8 dims stored as (0,2,4,6,1,3,5,7), the order of the
+//                    basis nibbles above, so the codes are int8 MMA operands as stored
 //   [5d+128, 5d+192) scales, f16, four 16-byte chunks; chunk t holds
 //                    coef scales of tokens 2t, 2t+1, 8+2t, 9+2t, basis scales of columns 2t, 2t+1,
 //                    the centroid scale, and a zero
@@ -34,7 +36,7 @@ LOCKS_HD constexpr size_t record_bytes(int d) { return size_t(5) * d + 192; }
 /// Byte offset (inside the coefficient block) of token i, column k.
 LOCKS_HD constexpr int coef_byte(int i, int k) { return ((i % 8) * 4 + k / 2) * 4 + (i / 8) * 2 + (k % 2); }
 /// Byte offset (inside the centroid block) of dim c.
-LOCKS_HD constexpr int centroid_byte(int c) { return (c & ~7) + ((c & 7) < 4 ? 2 * (c & 7) : 2 * ((c & 7) - 4) + 1); }
+LOCKS_HD constexpr int centroid_byte(int c) { return (c & ~7) + ((c & 1) ? 4 + ((c & 7) >> 1) : ((c & 7) >> 1)); }
 /// f16 slot (inside the scales block, in f16 units) of the coefficient scale of token i.
 LOCKS_HD constexpr int coef_scale_slot(int i) { return ((i % 8) / 2) * 8 + (i / 8) * 2 + (i % 2); }
 /// f16 slot of the basis scale of column k.

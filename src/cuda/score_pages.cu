@@ -2,18 +2,25 @@
 // one read of each summary. CPU twin: PageSummaryStore::score (and exact_log_mass for the partial
 // recent page, as LocksSelector::select does).
 //
-// Per page and query head g (q' = q * 2^-e_g, a power-of-two prescale so f16 is safe):
-//   W[g][k]  = bs_k * sum_x q'_g[x] Vcode_k[x]          (tensor cores, m16n8k16, q' split hi + lo)
-//   a[g]     = ms   * sum_x q'_g[x] mucode[x]           (tensor cores, 8 pages per MMA)
-//   z[g][i]  = a[g] + cs_i * sum_k W[g][k] Ccode[i][k]  (tensor cores, m16n8k8, W split hi + lo)
-//   s_hat    = logsumexp_i z[g][i] * scale / 2^-e_g     (exp2 on the quad of lanes holding row g)
-// Rows of the MMAs are the G query heads: G <= 8 puts the hi parts of q in rows 0..7 and the lo parts
-// in rows 8..15 (one MMA), 8 < G <= 16 uses rows for heads and two MMAs (hi, lo).
+// Per page and query head g, with q'' = q * 127 / max|q| split into three int8 limbs
+// (q'' = l0 + l1/2^7 + l2/2^14, 22 bits):
+//   W[g][k] = bs_k * sum_x q''_g[x] Vcode_k[x]          int8 tensor cores (m16n8k32, exact int32)
+//   a[g]    = ms   * sum_x q''_g[x] mucode[x]           int8 tensor cores, 8 pages per MMA
+//   z[g][i] = a[g] + cs_i * sum_k W[g][k] Ccode[i][k]   f16 tensor cores (m16n8k8, W split hi + lo)
+//   s_hat   = logsumexp_i z[g][i] * scale * max|q| / 127
+// The basis codes are stored offset-binary (code + 8), so `w & 0x0f0f0f0f` and `(w >> 4) & 0x0f0f0f0f`
+// are u8 MMA operands; the offset contributes 8 * sum_x l[x], subtracted exactly in int32.
+// MMA rows are heads: G <= 8 puts limb 0 in rows 0..7 and limb 1 in rows 8..15 (limb 2 in a second
+// MMA); 8 < G <= 16 puts heads in rows and runs one MMA per limb.
 //
-// K permutation (the d dimension of Q x basis): lane 4g+t reads the 16 (d 128) or 8 (d 64) bytes
-// [t*d/8, (t+1)*d/8) of basis column g; k-step 2w+hh of that lane covers dims
-// t*d/4 + 8w + {2hh, 4+2hh} (K slots 2t, 2t+1) and + {1+2hh, 5+2hh} (K slots 2t+8, 2t+9), which is
-// exactly the order unpack_int4x8 produces. The q fragments are built in the same order.
+// K permutation (the d dimension): lane 4g+t owns dims [t*d/4, (t+1)*d/4); k-step kk covers
+// t*d/4 + 8kk + {0,2,4,6} (K slots 4t..4t+3) and + {1,3,5,7} (K slots 16+4t..16+4t+3), which is the
+// nibble order of one 32-bit word of basis codes and the stored order of the centroid codes.
+//
+// Memory pipeline: each warp walks octets (8 consecutive pages) of its CTA's chunk; the 8 records of
+// the next octet are copied into the warp's shared-memory stage with cp.async (16-byte chunks, zero
+// fill past the sequence) while the current octet is computed; page ids are loaded one octet ahead.
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 
@@ -29,26 +36,37 @@ namespace L = layout;
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-
-template <int D>
-struct BasisWords;
-template <>
-struct BasisWords<128> {
-  uint4 v;
-  __device__ __forceinline__ void load(const uint8_t* p) { v = __ldcs(reinterpret_cast<const uint4*>(p)); }
-  __device__ __forceinline__ void zero() { v = make_uint4(0u, 0u, 0u, 0u); }
-  __device__ __forceinline__ uint32_t word(int w) const { return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w; }
-};
-template <>
-struct BasisWords<64> {
-  uint2 v;
-  __device__ __forceinline__ void load(const uint8_t* p) { v = __ldcs(reinterpret_cast<const uint2*>(p)); }
-  __device__ __forceinline__ void zero() { v = make_uint2(0u, 0u); }
-  __device__ __forceinline__ uint32_t word(int w) const { return w == 0 ? v.x : v.y; }
-};
+constexpr int kStages = 2;
 
 __device__ __forceinline__ uint32_t u4_word(const uint4& v, int w) {
   return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
+}
+
+__device__ __forceinline__ void mma_s8u8(int (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.u8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma_s8s8(int (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+__device__ __forceinline__ uint32_t pack_s8x4(int a, int b, int c, int d) {
+  return (uint32_t(a) & 0xffu) | ((uint32_t(b) & 0xffu) << 8) | ((uint32_t(c) & 0xffu) << 16) | (uint32_t(d) << 24);
 }
 
 // Combine two (max, sum-of-exp2) pairs; -inf maxima carry no mass.
@@ -59,329 +77,445 @@ __device__ __forceinline__ void lse2_merge(float& m, float& l, float m2, float l
   m = mn;
 }
 
-template <int D, int GT>
-__global__ void __launch_bounds__(kThreads) score_kernel(ScoreParams p) {
-  constexpr int KS = D / 16;     // k-steps of the Q x basis product
-  constexpr int ROWS = GT / 8;   // MMA rows per lane that are real heads (1 or 2)
-  constexpr size_t REC = L::record_bytes(D);
+template <int D>
+constexpr int score_smem_bytes() {
+  return kWarps * kStages * 8 * int(L::record_bytes(D));
+}
 
+template <int D, int GT>
+__global__ void __launch_bounds__(kThreads, GT == 8 ? 3 : 2) score_kernel(ScoreParams p) {
+  constexpr int KS = D / 32;       // int8 k-steps (32 dims each)
+  constexpr int ROWS = GT / 8;     // MMA rows per lane that are real heads (1 or 2)
+  constexpr int REC = int(L::record_bytes(D));
+  constexpr int CPR = REC / 16;    // 16-byte chunks per record
+
+  extern __shared__ __align__(16) uint8_t stages[];  // [kWarps][kStages][8][REC]
   __shared__ float q_s[GT][D];
-  __shared__ float q_scale[GT];
+  __shared__ float q_mul[GT];                         // 127 / max|q_g|
+  __shared__ int q_sum[GT][3];                        // sum_x limb_l[g][x]
   __shared__ float ex_logit[GT][16];
   __shared__ float ex_s2[GT];
   __shared__ float warp_m[kWarps][GT], warp_l[kWarps][GT];
   __shared__ int last_flag;
+  __shared__ int sh_item;
 
-  const int b = blockIdx.z, h = blockIdx.y, c = blockIdx.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int H = p.kv.n_head_kv, G = p.group;
+  const int n_chunks = p.n_chunks;
+  const int n_items = p.kv.batch * H * n_chunks;
+  uint32_t* work = p.counters + size_t(p.kv.batch) * H;  // [0]: next item, [1]: CTAs done
 
   pdl_wait();
   pdl_launch_dependents();
-  const int pbeg = p.kv.indptr[b];
-  const int n_pages = p.kv.indptr[b + 1] - pbeg;
-  if (n_pages <= 0) return;
-  const int last_len = p.kv.last_page_len[b];
-  const bool partial = last_len < kPageSize;
-  const int n_scored = partial ? n_pages - 1 : n_pages;  // pages scored from summaries
-  const int active = max(1, (n_scored + p.chunk_pages - 1) / p.chunk_pages);
-  if (c >= active) return;
-  const size_t bh = size_t(b) * H + h;
 
-  // q of the group -> shared memory; power-of-two prescale per head (max |q'| in [0.5, 1)).
-  const float* qg = p.q + bh * G * D;
-  for (int e = threadIdx.x; e < GT * D; e += kThreads) q_s[e / D][e % D] = (e / D) < G ? qg[e] : 0.0f;
-  __syncthreads();
-  for (int r = warp; r < GT; r += kWarps) {
-    float amax = 0.0f;
-    for (int x = lane; x < D; x += 32) amax = fmaxf(amax, fabsf(q_s[r][x]));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, o));
-    if (lane == 0) {
-      int e = 0;
-      if (amax > 0.0f && amax < INFINITY) frexpf(amax, &e);
-      q_scale[r] = ldexpf(1.0f, -e);
-    }
-  }
+  // A fragments of q and per-row constants, rebuilt when the (sequence, KV head) changes.
+  uint32_t aq[KS][4];                   // GT 8: rows g = limb 0, g+8 = limb 1; GT 16: limb 0 of rows g, g+8
+  uint32_t aq2[KS][4];                  // GT 8: rows g = limb 2, g+8 = 0;      GT 16: limb 1
+  uint32_t aq3[ROWS == 2 ? KS : 1][4];  // GT 16: limb 2
+  int off0[ROWS], off12[ROWS];
+  float kq[ROWS];
+  long cur_bh = -1;
 
-  // The partial recent page: exact log-mass from its keys (CPU: exact_log_mass), CTA 0 only.
-  const bool do_exact = partial && c == 0;
-  if (do_exact) {
-    const int32_t id = p.kv.indices[pbeg + n_pages - 1];
-    const uint16_t* kp = static_cast<const uint16_t*>(p.kv.k) + (size_t(id) * H + h) * size_t(kPageSize) * D;
-    const bool bf16 = p.kv.dtype == KvType::kBF16;
-    for (int e = threadIdx.x; e < last_len * G; e += kThreads) {
-      const int i = e / G, r = e % G;
-      const uint4* row = reinterpret_cast<const uint4*>(kp + size_t(i) * D);
-      float acc = 0.0f;
-#pragma unroll 4
-      for (int x8 = 0; x8 < D / 8; ++x8) {
-        const uint4 v = __ldg(row + x8);
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          const uint32_t u = u4_word(v, w);
-          acc = fmaf(q_s[r][x8 * 8 + 2 * w], kv_to_float(uint16_t(u & 0xffffu), bf16), acc);
-          acc = fmaf(q_s[r][x8 * 8 + 2 * w + 1], kv_to_float(uint16_t(u >> 16), bf16), acc);
+  // Persistent CTAs take work items (sequence, KV head, chunk of pages) from a counter; items of
+  // one (sequence, KV head) are consecutive, so q is usually reused.
+  for (;;) {
+    if (threadIdx.x == 0) sh_item = int(atomicAdd(work, 1u));
+    __syncthreads();
+    const int item = sh_item;
+    __syncthreads();
+    if (item >= n_items) break;
+    const size_t bh = size_t(item / n_chunks);
+    const int c = item % n_chunks;
+    const int b = int(bh / H), h = int(bh % H);
+    const int pbeg = p.kv.indptr[b];
+    const int n_pages = p.kv.indptr[b + 1] - pbeg;
+    if (n_pages <= 0) continue;
+    const int last_len = p.kv.last_page_len[b];
+    const bool partial = last_len < kPageSize;
+    const int n_scored = partial ? n_pages - 1 : n_pages;  // pages scored from summaries
+    const int active = max(1, (n_scored + p.chunk_pages - 1) / p.chunk_pages);
+    if (c >= active) continue;
+
+    // ---- The octet pipeline: page ids one octet ahead, records one octet ahead (cp.async). ----
+    const uint8_t* recs = p.summaries + size_t(h) * p.n_pages_pool * REC;
+    const int32_t* idx = p.kv.indices + pbeg;
+    const int oct_per_chunk = p.chunk_pages / 8;
+    const int oct_end = min((c + 1) * oct_per_chunk, (n_scored + 7) / 8);
+    uint8_t* my_stages = stages + size_t(warp) * kStages * 8 * REC;
+    const uint32_t my_stages_s = uint32_t(__cvta_generic_to_shared(my_stages));
+    auto load_ids = [&](int o) -> int32_t {  // lane p < 8: page id of page p of octet o, or -1
+      const int pos = o * 8 + (lane & 7);
+      return (o < oct_end && pos < n_scored) ? __ldg(idx + pos) : -1;
+    };
+    auto issue = [&](int o, int32_t ids, int stage) {
+      if (o >= oct_end) return;
+      const uint32_t dst0 = my_stages_s + uint32_t(stage * 8 * REC);
+  #pragma unroll
+      for (int pp = 0; pp < 8; ++pp) {
+        const int32_t id = __shfl_sync(kFull, ids, pp);
+        const uint8_t* src = recs + size_t(max(id, 0)) * REC;
+  #pragma unroll
+        for (int ch = lane; ch < CPR; ch += 32) cp_async16(dst0 + uint32_t(pp * REC + ch * 16), src + ch * 16, id >= 0);
+      }
+    };
+    int o = c * oct_per_chunk + warp;
+    int32_t ids_next = load_ids(o);
+    issue(o, ids_next, 0);
+    cp_async_commit();
+    ids_next = load_ids(o + kWarps);
+
+    const bool new_q = long(bh) != cur_bh;
+    if (new_q) {
+      // ---- q of the group -> int8 limbs (A fragments) and per-head constants. ----
+      const float* qg = p.q + bh * G * D;
+      for (int e = threadIdx.x; e < GT * D; e += kThreads) q_s[e / D][e % D] = (e / D) < G ? qg[e] : 0.0f;
+      __syncthreads();
+      for (int r = warp; r < GT; r += kWarps) {
+        float amax = 0.0f;
+        for (int x = lane; x < D; x += 32) amax = fmaxf(amax, fabsf(q_s[r][x]));
+    #pragma unroll
+        for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, off));
+        const float mul = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int s0 = 0, s1 = 0, s2 = 0;
+        for (int x = lane; x < D; x += 32) {
+          const float v = q_s[r][x] * mul;
+          const float l0 = rintf(v), r1 = (v - l0) * 128.0f, l1 = rintf(r1), l2 = rintf((r1 - l1) * 128.0f);
+          s0 += int(l0);
+          s1 += int(l1);
+          s2 += int(l2);
+        }
+    #pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+          s0 += __shfl_xor_sync(kFull, s0, off);
+          s1 += __shfl_xor_sync(kFull, s1, off);
+          s2 += __shfl_xor_sync(kFull, s2, off);
+        }
+        if (lane == 0) {
+          q_mul[r] = mul;
+          q_sum[r][0] = s0;
+          q_sum[r][1] = s1;
+          q_sum[r][2] = s2;
         }
       }
-      ex_logit[r][i] = acc * p.scale * kLog2e;
-    }
-  }
-  __syncthreads();
-  if (do_exact && threadIdx.x < G) {
-    const int r = threadIdx.x;
-    float mx = -INFINITY;
-    for (int i = 0; i < last_len; ++i) mx = fmaxf(mx, ex_logit[r][i]);
-    float sum = 0.0f;
-    for (int i = 0; i < last_len; ++i) sum += exp2f(ex_logit[r][i] - mx);
-    const float s2 = mx + log2f(sum);
-    ex_s2[r] = s2;
-    p.log_mass[(bh * G + r) * p.log_mass_stride + (n_pages - 1)] = s2 * kLn2;
-  }
 
-  // A fragments of q' (hi/lo), in the K permutation described at the top of the file.
-  uint32_t aq[KS][4];
-  uint32_t aq_lo[ROWS == 2 ? KS : 1][4];
-  float kq[ROWS];  // logits scale per row: scale * log2(e) / 2^-e
-  {
-    const int base = t * (D / 4);
-    const float s0 = q_scale[g];
-    const float s1 = q_scale[ROWS == 2 ? g + 8 : g];
-#pragma unroll
-    for (int kk = 0; kk < KS; ++kk) {
-      const int w = kk >> 1, hh = kk & 1;
-      const int d0 = base + 8 * w + 2 * hh, d1 = d0 + 4, d2 = d0 + 1, d3 = d0 + 5;
-      uint32_t h01, l01, h23, l23;
-      Pack<__half>::split(q_s[g][d0] * s0, q_s[g][d1] * s0, h01, l01);
-      Pack<__half>::split(q_s[g][d2] * s0, q_s[g][d3] * s0, h23, l23);
-      if constexpr (ROWS == 1) {
-        aq[kk][0] = h01;
-        aq[kk][1] = l01;
-        aq[kk][2] = h23;
-        aq[kk][3] = l23;
-      } else {
-        uint32_t h01b, l01b, h23b, l23b;
-        Pack<__half>::split(q_s[g + 8][d0] * s1, q_s[g + 8][d1] * s1, h01b, l01b);
-        Pack<__half>::split(q_s[g + 8][d2] * s1, q_s[g + 8][d3] * s1, h23b, l23b);
-        aq[kk][0] = h01;
-        aq[kk][1] = h01b;
-        aq[kk][2] = h23;
-        aq[kk][3] = h23b;
-        aq_lo[kk][0] = l01;
-        aq_lo[kk][1] = l01b;
-        aq_lo[kk][2] = l23;
-        aq_lo[kk][3] = l23b;
+    }
+    // The partial recent page: exact log-mass from its keys (CPU: exact_log_mass), CTA 0 only.
+    const bool do_exact = partial && c == 0;
+    if (do_exact) {
+      const int32_t id = idx[n_pages - 1];
+      const uint16_t* kp = static_cast<const uint16_t*>(p.kv.k) + (size_t(id) * H + h) * size_t(kPageSize) * D;
+      const bool bf16 = p.kv.dtype == KvType::kBF16;
+      for (int e = threadIdx.x; e < last_len * G; e += kThreads) {
+        const int i = e / G, r = e % G;
+        const uint4* row = reinterpret_cast<const uint4*>(kp + size_t(i) * D);
+        float acc = 0.0f;
+  #pragma unroll 4
+        for (int x8 = 0; x8 < D / 8; ++x8) {
+          const uint4 v = __ldg(row + x8);
+  #pragma unroll
+          for (int w = 0; w < 4; ++w) {
+            const uint32_t u = u4_word(v, w);
+            acc = fmaf(q_s[r][x8 * 8 + 2 * w], kv_to_float(uint16_t(u & 0xffffu), bf16), acc);
+            acc = fmaf(q_s[r][x8 * 8 + 2 * w + 1], kv_to_float(uint16_t(u >> 16), bf16), acc);
+          }
+        }
+        ex_logit[r][i] = acc * p.scale * kLog2e;
       }
     }
-    kq[0] = p.scale * kLog2e / s0;
-    if constexpr (ROWS == 2) kq[ROWS - 1] = p.scale * kLog2e / s1;
-  }
-
-  float run_m[ROWS], run_l[ROWS];
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    run_m[r] = -INFINITY;
-    run_l[r] = 0.0f;
-  }
-
-  const uint8_t* recs = p.summaries + size_t(h) * p.n_pages_pool * REC;
-  const int oct_per_chunk = p.chunk_pages / 8;
-  const int oct_end = min((c + 1) * oct_per_chunk, (n_scored + 7) / 8);
-  float* lm_row0 = p.log_mass + (bh * G + g) * p.log_mass_stride;
-  float* lm_row1 = p.log_mass + (bh * G + (ROWS == 2 ? g + 8 : g)) * p.log_mass_stride;
-
-  for (int o = c * oct_per_chunk + warp; o < oct_end; o += kWarps) {
-    const int p0 = o * 8;
-    // Loads for the 8 pages of the octet: basis column g (lane chunk t), the coefficient word of
-    // this lane, the scales chunk t; the centroid of page g (lane chunk t).
-    BasisWords<D> bw[8];
-    uint32_t cw[8];
-    uint4 sc[8];
-#pragma unroll
-    for (int pi = 0; pi < 8; ++pi) {
-      const int pos = p0 + pi;
-      if (pos < n_scored) {
-        const uint8_t* rec = recs + size_t(__ldg(p.kv.indices + pbeg + pos)) * REC;
-        bw[pi].load(rec + L::basis_offset(D) + g * (D / 2) + t * (D / 8));
-        cw[pi] = __ldcs(reinterpret_cast<const uint32_t*>(rec + L::coef_offset(D)) + lane);
-        sc[pi] = __ldcs(reinterpret_cast<const uint4*>(rec + L::scales_offset(D)) + t);
-      } else {
-        bw[pi].zero();
-        cw[pi] = 0u;
-        sc[pi] = make_uint4(0u, 0u, 0u, 0u);
-      }
-    }
-    uint4 cen[D / 64];
-    {
-      const int pos = p0 + g;
-      if (pos < n_scored) {
-        const uint8_t* rec = recs + size_t(__ldg(p.kv.indices + pbeg + pos)) * REC;
-        const uint4* src = reinterpret_cast<const uint4*>(rec + L::centroid_offset(D) + t * (D / 4));
-#pragma unroll
-        for (int x = 0; x < D / 64; ++x) cen[x] = __ldcs(src + x);
-      } else {
-#pragma unroll
-        for (int x = 0; x < D / 64; ++x) cen[x] = make_uint4(0u, 0u, 0u, 0u);
-      }
+    __syncthreads();
+    if (do_exact && threadIdx.x < G) {
+      const int r = threadIdx.x;
+      float mx = -INFINITY;
+      for (int i = 0; i < last_len; ++i) mx = fmaxf(mx, ex_logit[r][i]);
+      float sum = 0.0f;
+      for (int i = 0; i < last_len; ++i) sum += exp2f(ex_logit[r][i] - mx);
+      const float s2 = mx + log2f(sum);
+      ex_s2[r] = s2;
+      p.log_mass[(bh * G + r) * p.log_mass_stride + (n_pages - 1)] = s2 * kLn2;
     }
 
-    // a[g][page] = q'_g . mucode for the 8 pages (pages are the MMA's columns).
-    float acc_c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int w = 0; w < D / 32; ++w) {
-      uint32_t b0, b1, b2, b3;
-      unpack_int8x4(u4_word(cen[w / 2], (w % 2) * 2), b0, b1);
-      unpack_int8x4(u4_word(cen[w / 2], (w % 2) * 2 + 1), b2, b3);
-      mma_16816(acc_c, aq[2 * w], b0, b1, __half());
-      mma_16816(acc_c, aq[2 * w + 1], b2, b3, __half());
-      if constexpr (ROWS == 2) {
-        mma_16816(acc_c, aq_lo[2 * w], b0, b1, __half());
-        mma_16816(acc_c, aq_lo[2 * w + 1], b2, b3, __half());
-      }
-    }
-    float cen_even[ROWS], cen_odd[ROWS];  // page 2t, 2t+1 of this lane's column pair
-    if constexpr (ROWS == 1) {
-      cen_even[0] = acc_c[0] + acc_c[2];
-      cen_odd[0] = acc_c[1] + acc_c[3];
-    } else {
-      cen_even[0] = acc_c[0];
-      cen_odd[0] = acc_c[1];
-      cen_even[ROWS - 1] = acc_c[2];
-      cen_odd[ROWS - 1] = acc_c[3];
-    }
-
-    float keep[ROWS][2] = {};
-#pragma unroll
-    for (int pi = 0; pi < 8; ++pi) {
-      // W = q' x basis codes (rows: heads, columns: basis columns k).
-      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-      for (int w = 0; w < D / 32; ++w) {
-        uint32_t bb[4];
-        unpack_int4x8(bw[pi].word(w), bb);
-        mma_16816(acc, aq[2 * w], bb[0], bb[1], __half());
-        mma_16816(acc, aq[2 * w + 1], bb[2], bb[3], __half());
-        if constexpr (ROWS == 2) {
-          mma_16816(acc, aq_lo[2 * w], bb[0], bb[1], __half());
-          mma_16816(acc, aq_lo[2 * w + 1], bb[2], bb[3], __half());
+    if (new_q) {
+      cur_bh = long(bh);
+      // A fragments. Limb packs per row r and dims set (A: +{0,2,4,6}, B: +{1,3,5,7}).
+      {
+        const int base = t * (D / 4);
+        auto limbs = [&](int r, int x, int& l0, int& l1, int& l2) {
+          const float v = q_s[r][x] * q_mul[r];
+          const float f0 = rintf(v), r1 = (v - f0) * 128.0f, f1 = rintf(r1);
+          l0 = int(f0);
+          l1 = int(f1);
+          l2 = int(rintf((r1 - f1) * 128.0f));
+        };
+        auto pack_row = [&](int r, int x0, uint32_t (&p0)[2], uint32_t (&p1)[2], uint32_t (&p2)[2]) {
+          int l[3][8];
+    #pragma unroll
+          for (int j = 0; j < 8; ++j) limbs(r, x0 + j, l[0][j], l[1][j], l[2][j]);
+    #pragma unroll
+          for (int m = 0; m < 3; ++m) {
+            uint32_t(&dst)[2] = m == 0 ? p0 : m == 1 ? p1 : p2;
+            dst[0] = pack_s8x4(l[m][0], l[m][2], l[m][4], l[m][6]);
+            dst[1] = pack_s8x4(l[m][1], l[m][3], l[m][5], l[m][7]);
+          }
+        };
+    #pragma unroll
+        for (int kk = 0; kk < KS; ++kk) {
+          const int x0 = base + 8 * kk;
+          uint32_t r0[3][2];
+          pack_row(g, x0, r0[0], r0[1], r0[2]);
+          if constexpr (ROWS == 1) {
+            aq[kk][0] = r0[0][0];
+            aq[kk][1] = r0[1][0];
+            aq[kk][2] = r0[0][1];
+            aq[kk][3] = r0[1][1];
+            aq2[kk][0] = r0[2][0];
+            aq2[kk][1] = 0u;
+            aq2[kk][2] = r0[2][1];
+            aq2[kk][3] = 0u;
+          } else {
+            uint32_t r1[3][2];
+            pack_row(g + 8, x0, r1[0], r1[1], r1[2]);
+            aq[kk][0] = r0[0][0];
+            aq[kk][1] = r1[0][0];
+            aq[kk][2] = r0[0][1];
+            aq[kk][3] = r1[0][1];
+            aq2[kk][0] = r0[1][0];
+            aq2[kk][1] = r1[1][0];
+            aq2[kk][2] = r0[1][1];
+            aq2[kk][3] = r1[1][1];
+            aq3[kk][0] = r0[2][0];
+            aq3[kk][1] = r1[2][0];
+            aq3[kk][2] = r0[2][1];
+            aq3[kk][3] = r1[2][1];
+          }
         }
       }
-      const float bs0 = h2f_lo(sc[pi].z), bs1 = h2f_hi(sc[pi].z), ms = h2f_lo(sc[pi].w);
-      const float cs[4] = {h2f_lo(sc[pi].x), h2f_hi(sc[pi].x), h2f_lo(sc[pi].y), h2f_hi(sc[pi].y)};
-      uint32_t cb0, cb1;  // coefficient codes: tokens g (tile 0) and g+8 (tile 1), columns 2t, 2t+1
-      unpack_int8x4(cw[pi], cb0, cb1);
-      float o0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, o1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      if constexpr (ROWS == 1) {
-        uint32_t whi, wlo;
-        Pack<__half>::split((acc[0] + acc[2]) * bs0, (acc[1] + acc[3]) * bs1, whi, wlo);
-        mma_1688_f16(o0, whi, wlo, cb0);
-        mma_1688_f16(o1, whi, wlo, cb1);
-      } else {
-        uint32_t h0, l0, h1, l1;
-        Pack<__half>::split(acc[0] * bs0, acc[1] * bs1, h0, l0);
-        Pack<__half>::split(acc[2] * bs0, acc[3] * bs1, h1, l1);
-        mma_1688_f16(o0, h0, h1, cb0);
-        mma_1688_f16(o0, l0, l1, cb0);
-        mma_1688_f16(o1, h0, h1, cb1);
-        mma_1688_f16(o1, l0, l1, cb1);
-      }
-      const int src = (lane & ~3) | (pi >> 1);
-#pragma unroll
+      // Per row: offset corrections (8 * limb sums, in the combined int forms) and the logit factor.
+    #pragma unroll
       for (int r = 0; r < ROWS; ++r) {
-        const float a = __shfl_sync(kFull, (pi & 1) ? cen_odd[r] : cen_even[r], src);
-        float z[4];
-        if constexpr (ROWS == 1) {
-          z[0] = o0[0] + o0[2];
-          z[1] = o0[1] + o0[3];
-          z[2] = o1[0] + o1[2];
-          z[3] = o1[1] + o1[3];
-        } else {
-          z[0] = o0[2 * r];
-          z[1] = o0[2 * r + 1];
-          z[2] = o1[2 * r];
-          z[3] = o1[2 * r + 1];
-        }
-        const float base = a * ms;
-        float mx = -INFINITY;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          z[i] = fmaf(cs[i], z[i], base) * kq[r];
-          mx = fmaxf(mx, z[i]);
-        }
-        mx = quad_max(mx);
-        float sum = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) sum += exp2f(z[i] - mx);
-        sum = quad_sum(sum);
-        const float s2 = mx + __log2f(sum);
-        if ((pi >> 1) == t) keep[r][pi & 1] = s2;
+        const int row = g + 8 * r;
+        off0[r] = 8 * q_sum[row][0];
+        off12[r] = 8 * (q_sum[row][1] * 128 + q_sum[row][2]);
+        kq[r] = q_mul[row] > 0.0f ? p.scale * kLog2e / q_mul[row] : 0.0f;
       }
+
     }
-    // Lane t owns pages p0 + 2t, p0 + 2t + 1.
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int pos = p0 + 2 * t + e;
-      if (pos < n_scored) {
-#pragma unroll
+
+    float run_m[ROWS], run_l[ROWS];
+  #pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      run_m[r] = -INFINITY;
+      run_l[r] = 0.0f;
+    }
+    float* lm_row0 = p.log_mass + (bh * G + g) * p.log_mass_stride;
+    float* lm_row1 = p.log_mass + (bh * G + (ROWS == 2 ? g + 8 : g)) * p.log_mass_stride;
+    constexpr float k2m14 = 1.0f / 16384.0f;
+
+    for (int it = 0; o < oct_end; o += kWarps, ++it) {
+      const int stage = it & 1;
+      issue(o + kWarps, ids_next, stage ^ 1);  // the next octet into the other stage
+      cp_async_commit();
+      ids_next = load_ids(o + 2 * kWarps);
+      cp_async_wait<1>();
+      __syncwarp();
+      const uint8_t* st = my_stages + stage * 8 * REC;
+      const int p0 = o * 8;
+
+      // a[row][page] = q'' . mucode for the 8 pages (pages are the MMA's columns).
+      float cen[ROWS][2];  // pages 2t, 2t+1
+      {
+        int acc1[4] = {0, 0, 0, 0}, acc2[4] = {0, 0, 0, 0}, acc3[4] = {0, 0, 0, 0};
+        const uint4* cp = reinterpret_cast<const uint4*>(st + g * REC + L::centroid_offset(D) + t * (D / 4));
+  #pragma unroll
+        for (int kk = 0; kk < KS; ++kk) {
+          const uint4 v = cp[kk / 2];
+          const uint32_t b0 = u4_word(v, (kk % 2) * 2), b1 = u4_word(v, (kk % 2) * 2 + 1);
+          mma_s8s8(acc1, aq[kk], b0, b1);
+          mma_s8s8(acc2, aq2[kk], b0, b1);
+          if constexpr (ROWS == 2) mma_s8s8(acc3, aq3[kk], b0, b1);
+        }
+        if constexpr (ROWS == 1) {
+          cen[0][0] = float(acc1[0]) + float(acc1[2] * 128 + acc2[0]) * k2m14;
+          cen[0][1] = float(acc1[1]) + float(acc1[3] * 128 + acc2[1]) * k2m14;
+        } else {
+          cen[0][0] = float(acc1[0]) + float(acc2[0] * 128 + acc3[0]) * k2m14;
+          cen[0][1] = float(acc1[1]) + float(acc2[1] * 128 + acc3[1]) * k2m14;
+          cen[ROWS - 1][0] = float(acc1[2]) + float(acc2[2] * 128 + acc3[2]) * k2m14;
+          cen[ROWS - 1][1] = float(acc1[3]) + float(acc2[3] * 128 + acc3[3]) * k2m14;
+        }
+      }
+
+      float keep[ROWS][2] = {};
+  #pragma unroll
+      for (int pi = 0; pi < 8; ++pi) {
+        const uint8_t* rec = st + pi * REC;
+        // W = q'' x basis codes (rows: heads, columns: basis columns k).
+        int acc1[4] = {0, 0, 0, 0}, acc2[4] = {0, 0, 0, 0}, acc3[4] = {0, 0, 0, 0};
+        uint32_t bw[KS];
+        if constexpr (D == 128) {
+          const uint4 v = *reinterpret_cast<const uint4*>(rec + L::basis_offset(D) + g * (D / 2) + t * (D / 8));
+          bw[0] = v.x;
+          bw[1] = v.y;
+          bw[KS > 2 ? 2 : 0] = v.z;
+          bw[KS > 3 ? 3 : 0] = v.w;
+        } else {
+          const uint2 v = *reinterpret_cast<const uint2*>(rec + L::basis_offset(D) + g * (D / 2) + t * (D / 8));
+          bw[0] = v.x;
+          bw[KS > 1 ? 1 : 0] = v.y;
+        }
+  #pragma unroll
+        for (int kk = 0; kk < KS; ++kk) {
+          const uint32_t lo = bw[kk] & 0x0f0f0f0fu, hi = (bw[kk] >> 4) & 0x0f0f0f0fu;
+          mma_s8u8(acc1, aq[kk], lo, hi);
+          mma_s8u8(acc2, aq2[kk], lo, hi);
+          if constexpr (ROWS == 2) mma_s8u8(acc3, aq3[kk], lo, hi);
+        }
+        const uint4 sc = *reinterpret_cast<const uint4*>(rec + L::scales_offset(D) + t * 16);
+        const float bs0 = h2f_lo(sc.z), bs1 = h2f_hi(sc.z), ms = h2f_lo(sc.w);
+        const float cs[4] = {h2f_lo(sc.x), h2f_hi(sc.x), h2f_lo(sc.y), h2f_hi(sc.y)};
+        uint32_t cb0, cb1;  // coefficient codes: tokens g (tile 0) and g+8 (tile 1), columns 2t, 2t+1
+        unpack_int8x4(*reinterpret_cast<const uint32_t*>(rec + L::coef_offset(D) + lane * 4), cb0, cb1);
+        float o0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, o1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if constexpr (ROWS == 1) {
+          const float w0 = (float(acc1[0] - off0[0]) + float(acc1[2] * 128 + acc2[0] - off12[0]) * k2m14) * bs0;
+          const float w1 = (float(acc1[1] - off0[0]) + float(acc1[3] * 128 + acc2[1] - off12[0]) * k2m14) * bs1;
+          uint32_t whi, wlo;
+          Pack<__half>::split(w0, w1, whi, wlo);
+          mma_1688_f16(o0, whi, wlo, cb0);
+          mma_1688_f16(o1, whi, wlo, cb1);
+        } else {
+          const float w0 = (float(acc1[0] - off0[0]) + float(acc2[0] * 128 + acc3[0] - off12[0]) * k2m14) * bs0;
+          const float w1 = (float(acc1[1] - off0[0]) + float(acc2[1] * 128 + acc3[1] - off12[0]) * k2m14) * bs1;
+          const float w2 =
+              (float(acc1[2] - off0[ROWS - 1]) + float(acc2[2] * 128 + acc3[2] - off12[ROWS - 1]) * k2m14) * bs0;
+          const float w3 =
+              (float(acc1[3] - off0[ROWS - 1]) + float(acc2[3] * 128 + acc3[3] - off12[ROWS - 1]) * k2m14) * bs1;
+          uint32_t h0, l0, h1, l1;
+          Pack<__half>::split(w0, w1, h0, l0);
+          Pack<__half>::split(w2, w3, h1, l1);
+          mma_1688_f16(o0, h0, h1, cb0);
+          mma_1688_f16(o0, l0, l1, cb0);
+          mma_1688_f16(o1, h0, h1, cb1);
+          mma_1688_f16(o1, l0, l1, cb1);
+        }
+        const int src = (lane & ~3) | (pi >> 1);
+  #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
-          const int row = g + 8 * r;
-          if (row < G) {
-            (r == 0 ? lm_row0 : lm_row1)[pos] = keep[r][e] * kLn2;
-            lse2_merge(run_m[r], run_l[r], keep[r][e], 1.0f);
+          const float a = __shfl_sync(kFull, (pi & 1) ? cen[r][1] : cen[r][0], src);
+          float z[4];
+          if constexpr (ROWS == 1) {
+            z[0] = o0[0] + o0[2];
+            z[1] = o0[1] + o0[3];
+            z[2] = o1[0] + o1[2];
+            z[3] = o1[1] + o1[3];
+          } else {
+            z[0] = o0[2 * r];
+            z[1] = o0[2 * r + 1];
+            z[2] = o1[2 * r];
+            z[3] = o1[2 * r + 1];
+          }
+          const float base = a * ms * kq[r];
+          float mx = -INFINITY;
+  #pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            z[i] = fmaf(cs[i] * kq[r], z[i], base);
+            mx = fmaxf(mx, z[i]);
+          }
+          mx = quad_max(mx);
+          float sum = 0.0f;
+  #pragma unroll
+          for (int i = 0; i < 4; ++i) sum += ex2(z[i] - mx);
+          sum = quad_sum(sum);
+          const float s2 = mx + __log2f(sum);
+          if ((pi >> 1) == t) keep[r][pi & 1] = s2;
+        }
+      }
+      __syncwarp();  // this stage is refilled two octets later
+      // Lane t owns pages p0 + 2t, p0 + 2t + 1.
+  #pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int pos = p0 + 2 * t + e;
+        if (pos < n_scored) {
+  #pragma unroll
+          for (int r = 0; r < ROWS; ++r) {
+            const int row = g + 8 * r;
+            if (row < G) {
+              (r == 0 ? lm_row0 : lm_row1)[pos] = keep[r][e] * kLn2;
+              lse2_merge(run_m[r], run_l[r], keep[r][e], 1.0f);
+            }
           }
         }
       }
     }
+    cp_async_wait<0>();
+
+    // Chunk statistics: quad -> warp -> CTA, plus the exact page in CTA 0.
+  #pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      float m = run_m[r], l = run_l[r];
+  #pragma unroll
+      for (int o = 1; o <= 2; o <<= 1) {
+        const float m2 = __shfl_xor_sync(kFull, m, o), l2 = __shfl_xor_sync(kFull, l, o);
+        lse2_merge(m, l, m2, l2);
+      }
+      if (t == 0) {
+        warp_m[warp][g + 8 * r] = m;
+        warp_l[warp][g + 8 * r] = l;
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < G) {
+      const int r = threadIdx.x;
+      float m = -INFINITY, l = 0.0f;
+      for (int w = 0; w < kWarps; ++w) lse2_merge(m, l, warp_m[w][r], warp_l[w][r]);
+      if (do_exact) lse2_merge(m, l, ex_s2[r], 1.0f);
+      reinterpret_cast<float2*>(p.chunk_stats)[(bh * n_chunks + c) * 16 + r] = make_float2(m, l);
+    }
+    if (!last_cta_done(p.counters + bh, uint32_t(active), &last_flag)) continue;
+
+    // Last CTA of (b, h): lse_total[g] = logsumexp over every page (the share normaliser, Eq. 5).
+    const float2* cs2 = reinterpret_cast<const float2*>(p.chunk_stats) + bh * n_chunks * 16;
+    for (int r = warp; r < G; r += kWarps) {
+      float m = -INFINITY, l = 0.0f;
+      for (int cc = lane; cc < active; cc += 32) {
+        const float2 v = __ldcg(cs2 + size_t(cc) * 16 + r);
+        lse2_merge(m, l, v.x, v.y);
+      }
+  #pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(kFull, m, o), l2 = __shfl_xor_sync(kFull, l, o);
+        lse2_merge(m, l, m2, l2);
+      }
+      if (lane == 0) p.lse_total[bh * G + r] = m == -INFINITY ? -INFINITY : (m + log2f(l)) * kLn2;
+    }
   }
 
-  // Chunk statistics: quad -> warp -> CTA, plus the exact page in CTA 0.
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    float m = run_m[r], l = run_l[r];
-#pragma unroll
-    for (int o = 1; o <= 2; o <<= 1) {
-      const float m2 = __shfl_xor_sync(kFull, m, o), l2 = __shfl_xor_sync(kFull, l, o);
-      lse2_merge(m, l, m2, l2);
-    }
-    if (t == 0) {
-      warp_m[warp][g + 8 * r] = m;
-      warp_l[warp][g + 8 * r] = l;
-    }
-  }
-  __syncthreads();
-  const int n_chunks = p.n_chunks;
-  if (threadIdx.x < G) {
-    const int r = threadIdx.x;
-    float m = -INFINITY, l = 0.0f;
-    for (int w = 0; w < kWarps; ++w) lse2_merge(m, l, warp_m[w][r], warp_l[w][r]);
-    if (do_exact) lse2_merge(m, l, ex_s2[r], 1.0f);
-    reinterpret_cast<float2*>(p.chunk_stats)[(bh * n_chunks + c) * 16 + r] = make_float2(m, l);
-  }
-  if (!last_cta_done(p.counters + bh, uint32_t(active), &last_flag)) return;
-
-  // Last CTA of (b, h): lse_total[g] = logsumexp over every page (the share normaliser, Eq. 5).
-  const float2* cs2 = reinterpret_cast<const float2*>(p.chunk_stats) + bh * n_chunks * 16;
-  for (int r = warp; r < G; r += kWarps) {
-    float m = -INFINITY, l = 0.0f;
-    for (int cc = lane; cc < active; cc += 32) {
-      const float2 v = __ldcg(cs2 + size_t(cc) * 16 + r);
-      lse2_merge(m, l, v.x, v.y);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float m2 = __shfl_xor_sync(kFull, m, o), l2 = __shfl_xor_sync(kFull, l, o);
-      lse2_merge(m, l, m2, l2);
-    }
-    if (lane == 0) p.lse_total[bh * G + r] = m == -INFINITY ? -INFINITY : (m + log2f(l)) * kLn2;
-  }
+  // Leave the work counter at zero for the next launch (graph replay).
+  if (last_cta_done(work + 1, gridDim.x, &last_flag) && threadIdx.x == 0) atomicExch(work, 0u);
 }
 
 template <int D, int GT>
 cudaError_t launch_score(const ScoreParams& p, cudaStream_t stream) {
+  static bool attr_set = false;  // first call happens in make_decode_plan / tests, outside capture
+  if (!attr_set) {
+    const cudaError_t e = cudaFuncSetAttribute(score_kernel<D, GT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               score_smem_bytes<D>());
+    if (e != cudaSuccess) return e;
+    attr_set = true;
+  }
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(p.n_chunks), unsigned(p.kv.n_head_kv), unsigned(p.kv.batch));
+  static int resident = 0;  // CTAs per device (first call outside any capture)
+  if (resident == 0) {
+    int dev = 0, n_sm = 0, per_sm = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, score_kernel<D, GT>, kThreads, score_smem_bytes<D>());
+    resident = std::max(1, n_sm * std::max(per_sm, 1));
+  }
+  const long items = long(p.kv.batch) * p.kv.n_head_kv * p.n_chunks;
+  const int grid = int(std::min<long>(items, p.grid > 0 ? p.grid : resident));
+  cfg.gridDim = dim3(unsigned(std::max(grid, 1)));
   cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = 0;
+  cfg.dynamicSmemBytes = score_smem_bytes<D>();
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -392,6 +526,20 @@ cudaError_t launch_score(const ScoreParams& p, cudaStream_t stream) {
 }
 
 }  // namespace
+
+int score_ctas_per_sm(int head_dim, int group) {
+  int n = 0;
+  const bool wide = group > 8;
+  cudaError_t e;
+  if (head_dim == 64)
+    e = wide ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, score_kernel<64, 16>, kThreads, score_smem_bytes<64>())
+             : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, score_kernel<64, 8>, kThreads, score_smem_bytes<64>());
+  else
+    e = wide ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, score_kernel<128, 16>, kThreads, score_smem_bytes<128>())
+             : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, score_kernel<128, 8>, kThreads, score_smem_bytes<128>());
+  if (e != cudaSuccess) cudaGetLastError();
+  return std::max(n, 1);
+}
 
 cudaError_t score_pages(const ScoreParams& p, cudaStream_t stream) {
   if (p.kv.batch <= 0 || p.kv.n_head_kv <= 0) return cudaSuccess;

@@ -153,28 +153,63 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectParams p) 
   const uint32_t tstar = uint32_t(sh_bin);
   const uint32_t need2 = need - sh_above;  // >= 1 pages still to take from the threshold bin
 
-  // Pages above the threshold bin are in; the threshold bin's pages are candidates.
-  for (int j = 1 + threadIdx.x; j <= n - 2; j += kSelectThreads) {
-    const uint32_t key = keys[j];
-    const uint32_t bin = key >> 20;
-    if (bin > tstar) {
-      atomicOr(&bitmap[j >> 5], 1u << (j & 31));
-    } else if (bin == tstar) {
-      const int pos = atomicAdd(&sh_ncand, 1);
-      if (pos < kCandCap) cand[pos] = (static_cast<unsigned long long>(key) << 32) | (0xffffffffu - uint32_t(j));
+  // Pages above the threshold bin are in; the threshold bin's pages are candidates. Keys are read
+  // 4 at a time with 4 loads in flight per thread (positions 0, n-1 and >= n are skipped).
+  {
+    const uint4* k4 = reinterpret_cast<const uint4*>(keys);
+    const int n4 = (n + 3) / 4;
+    constexpr int U = 4;
+    for (int base = threadIdx.x; base < n4; base += kSelectThreads * U) {
+      uint4 v[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int i4 = base + u * kSelectThreads;
+        v[u] = i4 < n4 ? __ldcg(k4 + i4) : make_uint4(0u, 0u, 0u, 0u);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const uint32_t w[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = (base + u * kSelectThreads) * 4 + e;
+          if (j < 1 || j > n - 2) continue;
+          const uint32_t key = w[e];
+          const uint32_t bin = key >> 20;
+          if (bin > tstar) {
+            atomicOr(&bitmap[j >> 5], 1u << (j & 31));
+          } else if (bin == tstar) {
+            const int pos = atomicAdd(&sh_ncand, 1);
+            if (pos < kCandCap)
+              cand[pos] = (static_cast<unsigned long long>(key) << 32) | (0xffffffffu - uint32_t(j));
+          }
+        }
+      }
     }
   }
   __syncthreads();
   const int n_cand = sh_ncand;
   if (n_cand <= kCandCap) {
-    unsigned long long thr = 0;  // take every candidate >= thr
-    if (uint32_t(n_cand) > need2)
-      thr = radix_select_desc([&](int i) { return cand[i]; }, n_cand, need2, rhist, &sh_bin, &sh_above);
-    for (int i = threadIdx.x; i < n_cand; i += kSelectThreads) {
-      const unsigned long long v = cand[i];
-      if (v >= thr) {
-        const uint32_t j = 0xffffffffu - uint32_t(v & 0xffffffffu);
-        atomicOr(&bitmap[j >> 5], 1u << (j & 31));
+    if (n_cand <= 256 && uint32_t(n_cand) > need2) {
+      // Few candidates: a candidate is in when fewer than need2 others beat it (keys are distinct).
+      if (threadIdx.x < n_cand) {
+        const unsigned long long v = cand[threadIdx.x];
+        uint32_t rank = 0;
+        for (int i = 0; i < n_cand; ++i) rank += cand[i] > v;
+        if (rank < need2) {
+          const uint32_t j = 0xffffffffu - uint32_t(v & 0xffffffffu);
+          atomicOr(&bitmap[j >> 5], 1u << (j & 31));
+        }
+      }
+    } else {
+      unsigned long long thr = 0;  // take every candidate >= thr
+      if (uint32_t(n_cand) > need2)
+        thr = radix_select_desc([&](int i) { return cand[i]; }, n_cand, need2, rhist, &sh_bin, &sh_above);
+      for (int i = threadIdx.x; i < n_cand; i += kSelectThreads) {
+        const unsigned long long v = cand[i];
+        if (v >= thr) {
+          const uint32_t j = 0xffffffffu - uint32_t(v & 0xffffffffu);
+          atomicOr(&bitmap[j >> 5], 1u << (j & 31));
+        }
       }
     }
   } else {

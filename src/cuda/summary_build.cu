@@ -247,7 +247,7 @@ __global__ void __launch_bounds__(kWarps * 32) summary_build_kernel(SummaryBuild
       const int code = quant_code(v[m], inv, 7);
       const int code_next = __shfl_down_sync(kFull, code, 1);
       if ((lane & 1) == 0)
-        rec[L::basis_offset(D) + size_t(k) * (D / 2) + c / 2] = uint8_t((code & 0xf) | ((code_next & 0xf) << 4));
+        rec[L::basis_offset(D) + size_t(k) * (D / 2) + c / 2] = uint8_t((code + 8) | ((code_next + 8) << 4));
     }
     if (lane == 0) s.basis_scale[k] = sbits;
   }

@@ -51,7 +51,7 @@ void pack_summary_record(const float* centroid, const float* basis, const float*
     const uint16_t s = quantize(basis + size_t(k) * d, d, 7, codes, "basis column");
     scales[L::basis_scale_slot(k)] = s;
     uint8_t* col = out + L::basis_offset(d) + size_t(k) * (d / 2);
-    for (int c = 0; c < d; c += 2) col[c / 2] = uint8_t((codes[c] & 0xf) | ((codes[c + 1] & 0xf) << 4));
+    for (int c = 0; c < d; c += 2) col[c / 2] = uint8_t((codes[c] + 8) | ((codes[c + 1] + 8) << 4));
   }
   for (int i = 0; i < L::kPage; ++i) {
     scales[L::coef_scale_slot(i)] = quantize(coef + size_t(i) * L::kRank, L::kRank, 127, codes, "coefficient row");
@@ -72,8 +72,7 @@ void unpack_summary_record(const uint8_t* rec, int d, float* centroid, float* ba
     const float s = from_f16(scales[L::basis_scale_slot(k)]);
     const uint8_t* col = rec + L::basis_offset(d) + size_t(k) * (d / 2);
     for (int c = 0; c < d; ++c) {
-      const int nib = (col[c / 2] >> (4 * (c % 2))) & 0xf;
-      const int code = nib >= 8 ? nib - 16 : nib;
+      const int code = ((col[c / 2] >> (4 * (c % 2))) & 0xf) - 8;
       basis[size_t(k) * d + c] = float(code) * s;
     }
   }

@@ -1,50 +1,54 @@
 #include "locks/eval_runner.h"
 
 #include <algorithm>
-#include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
+#include <memory>
+#include <set>
 #include <stdexcept>
 
 #include <fmt/format.h>
 
+#include "locks/fidelity.h"
+#include "locks/locality.h"
 #include "locks/model.h"
 #include "locks/sampler.h"
-#include "locks/selector.h"
 #include "locks/session.h"
+#include "locks/shared_basis.h"
+#include "locks/svg_plot.h"
 #include "locks/text_corpus.h"
+#include "eval/eval_report.h"
 
 namespace locks {
 
 namespace {
 
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
 constexpr const char* kCsvHeader =
-    "family,length,context,task_seed,selector,budget,correct,answer_tokens,answer_tokens_correct,decode_steps,"
-    "bytes_read_per_step,dense_bytes_per_step,read_ratio,prompt_tokens,decode_seconds";
+    "family,length,context,task_seed,selector,budget,correct,answer_tokens,answer_tokens_correct,kl_vs_full,"
+    "decode_steps,bytes_read_per_step,dense_bytes_per_step,read_ratio,prompt_tokens,decode_seconds,lse_mae,"
+    "logit_mae,spearman,coverage,worst_head_coverage,oracle_coverage,output_rel_err,carrier_retention,"
+    "carrier_retention_any,carrier_obs";
+
+std::string csv_num(double v) { return std::isnan(v) ? "" : fmt::format("{:.6g}", v); }
 
 std::string csv_row(const EvalRow& r) {
-  return fmt::format("{},{},{},{},{},{},{},{},{},{},{:.0f},{:.0f},{:.6f},{},{:.4f}", r.family, r.length, r.context,
-                     r.task_seed, r.selector, r.budget, r.correct ? 1 : 0, r.answer_tokens, r.answer_tokens_correct,
-                     r.decode_steps, r.bytes_read_per_step, r.dense_bytes_per_step, r.read_ratio, r.prompt_tokens,
-                     r.decode_seconds);
+  return fmt::format("{},{},{},{},{},{},{},{},{},{},{},{:.0f},{:.0f},{:.6f},{},{:.4f},{},{},{},{},{},{},{},{},{},{}",
+                     r.family, r.length, r.context, r.task_seed, r.selector, r.budget, r.correct ? 1 : 0,
+                     r.answer_tokens, r.answer_tokens_correct, csv_num(r.kl_vs_full), r.decode_steps,
+                     r.bytes_read_per_step, r.dense_bytes_per_step, r.read_ratio, r.prompt_tokens, r.decode_seconds,
+                     csv_num(r.lse_mae), csv_num(r.logit_mae), csv_num(r.spearman), csv_num(r.coverage),
+                     csv_num(r.worst_head_coverage), csv_num(r.oracle_coverage), csv_num(r.output_rel_err),
+                     csv_num(r.carrier_retention), csv_num(r.carrier_retention_any), csv_num(r.carrier_obs));
 }
 
-// Questions and answers through decode, teacher-forced: the answer counts as right when the argmax
-// at every answer position is the answer token (equivalent to greedy generation reproducing it).
-void answer_questions(Session& s, const NeedleTask& task, EvalRow& row) {
-  const std::vector<float>* logits = nullptr;
-  for (size_t qi = 0; qi < task.questions.size(); ++qi) {
-    const NeedleQuestion& q = task.questions[qi];
-    for (int32_t t : q.prompt_ids) logits = &s.decode(t);
-    for (size_t i = 0; i < q.answer_ids.size(); ++i) {
-      row.answer_tokens += 1;
-      row.answer_tokens_correct += argmax(*logits) == q.answer_ids[i] ? 1 : 0;
-      const bool last = qi + 1 == task.questions.size() && i + 1 == q.answer_ids.size();
-      if (!last) logits = &s.decode(q.answer_ids[i]);
-    }
-  }
-  row.correct = row.answer_tokens_correct == row.answer_tokens;
+bool budget_free(const std::string& name) { return name == "full"; }
+
+void fill_efficiency(const Session& s, EvalRow& row) {
   const DecodeTotals& t = s.totals();
   row.decode_steps = t.steps;
   row.bytes_read_per_step = t.steps ? t.bytes_read / double(t.steps) : 0;
@@ -53,26 +57,151 @@ void answer_questions(Session& s, const NeedleTask& task, EvalRow& row) {
   row.decode_seconds = t.seconds;
 }
 
+void fill_fidelity(const FidelityProbe* probe, EvalRow& row) {
+  if (!probe) {
+    row.lse_mae = row.logit_mae = row.spearman = row.coverage = row.worst_head_coverage = row.oracle_coverage =
+        row.output_rel_err = row.carrier_retention = row.carrier_retention_any = row.carrier_obs = kNaN;
+    return;
+  }
+  const FidelityStats t = probe->total();
+  const auto m = t.mean();
+  row.lse_mae = m.lse_mae;
+  row.logit_mae = m.logit_mae;
+  row.spearman = m.spearman;
+  row.coverage = m.coverage;
+  row.worst_head_coverage = m.worst_head_coverage;
+  row.oracle_coverage = m.oracle_coverage;
+  row.output_rel_err = m.output_rel_err;
+  row.carrier_retention = m.carrier_retention;
+  row.carrier_retention_any = m.carrier_retention_any;
+  row.carrier_obs = t.carrier_obs;
+}
+
+// Questions and answers through decode, teacher-forced: the answer counts as right when the argmax
+// at every answer position is the answer token (equivalent to greedy generation reproducing it).
+// The probe (if any) observes the answer steps only, with the asked needle's value as carrier.
+void answer_questions(Session& s, const NeedleTask& task, FidelityProbe* probe, EvalRow& row) {
+  const std::vector<float>* logits = nullptr;
+  for (size_t qi = 0; qi < task.questions.size(); ++qi) {
+    const NeedleQuestion& q = task.questions[qi];
+    if (probe) probe->enabled = false;
+    for (int32_t t : q.prompt_ids) logits = &s.decode(t);
+    std::vector<int32_t> carriers;
+    for (size_t i = 0; i < q.answer_ids.size(); ++i) carriers.push_back(task.value_pos[q.needle] + int32_t(i));
+    if (probe) {
+      probe->set_carriers(carriers);
+      probe->enabled = true;
+    }
+    for (size_t i = 0; i < q.answer_ids.size(); ++i) {
+      row.answer_tokens += 1;
+      row.answer_tokens_correct += argmax(*logits) == q.answer_ids[i] ? 1 : 0;
+      const bool last = qi + 1 == task.questions.size() && i + 1 == q.answer_ids.size();
+      if (!last) logits = &s.decode(q.answer_ids[i]);
+    }
+  }
+  row.correct = row.answer_tokens_correct == row.answer_tokens;
+}
+
+// log-softmax in float64.
+std::vector<double> log_softmax(const std::vector<float>& l) {
+  const float mx = *std::max_element(l.begin(), l.end());
+  double z = 0;
+  for (float v : l) z += std::exp(double(v) - mx);
+  const double lz = mx + std::log(z);
+  std::vector<double> out(l.size());
+  for (size_t i = 0; i < l.size(); ++i) out[i] = double(l[i]) - lz;
+  return out;
+}
+
+template <class F>
+double mean_of(const std::vector<EvalRow>& rows, F&& pick) {
+  double s = 0, n = 0;
+  for (const auto& r : rows) {
+    const double v = pick(r);
+    if (!std::isnan(v)) {
+      s += v;
+      n += 1;
+    }
+  }
+  return n > 0 ? s / n : kNaN;
+}
+
 }  // namespace
 
-std::vector<EvalRow> run_eval(const EvalConfig& cfg,
-                              const std::function<void(int, int, const std::string&)>& progress) {
-  std::vector<NeedleFamily> families;
-  for (const auto& f : cfg.families) families.push_back(parse_needle_family(f));
+SelectorSpec parse_selector_spec(const std::string& spec, const SummaryFormat& base) {
+  SelectorSpec s;
+  s.label = spec;
+  s.opts.summary = base;
+  size_t start = 0;
+  bool first = true;
+  while (start <= spec.size()) {
+    size_t end = spec.find('/', start);
+    if (end == std::string::npos) end = spec.size();
+    const std::string part = spec.substr(start, end - start);
+    if (first) {
+      s.name = part;
+      first = false;
+    } else {
+      const size_t eq = part.find('=');
+      if (eq == std::string::npos) throw std::invalid_argument(fmt::format("selector '{}': '{}' is not key=value", spec, part));
+      const std::string k = part.substr(0, eq), v = part.substr(eq + 1);
+      auto as_int = [&] {
+        try {
+          size_t used = 0;
+          const int x = std::stoi(v, &used);
+          if (used != v.size()) throw std::invalid_argument("trailing");
+          return x;
+        } catch (const std::exception&) {
+          throw std::invalid_argument(fmt::format("selector '{}': {}='{}' is not an integer", spec, k, v));
+        }
+      };
+      if (k == "r") s.opts.summary.rank = as_int();
+      else if (k == "basis") s.opts.summary.basis_bits = as_int();
+      else if (k == "coef") s.opts.summary.coef_bits = as_int();
+      else if (k == "centroid") s.opts.summary.centroid_bits = as_int();
+      else if (k == "rho") s.opts.shared_rank = as_int();
+      else if (k == "rule") s.opts.group_rule = parse_group_rule(v);
+      else throw std::invalid_argument(fmt::format("selector '{}': unknown key '{}' (r, basis, coef, centroid, rule, rho)", spec, k));
+    }
+    start = end + 1;
+  }
   const auto known = selector_names();
-  for (const auto& s : cfg.selectors)
-    if (std::find(known.begin(), known.end(), s) == known.end())
-      throw std::invalid_argument(fmt::format("unknown selector '{}'", s));
+  if (std::find(known.begin(), known.end(), s.name) == known.end())
+    throw std::invalid_argument(fmt::format("unknown selector '{}' in '{}'", s.name, spec));
+  return s;
+}
+
+std::vector<EvalRow> run_eval(const EvalConfig& cfg, const std::function<void(int, int, const std::string&)>& progress) {
+  // Validate everything before the (long) run starts.
+  bool continuation = false;
+  std::vector<NeedleFamily> families;
+  for (const auto& f : cfg.families) {
+    if (f == "continuation")
+      continuation = true;
+    else
+      families.push_back(parse_needle_family(f));
+  }
+  std::vector<SelectorSpec> specs;
+  for (const auto& s : cfg.selectors) specs.push_back(parse_selector_spec(s, cfg.summary));
   for (int b : cfg.budgets)
     if (b < 32 || b % 16 != 0) throw std::invalid_argument(fmt::format("budget {}: must be a multiple of 16, >= 32", b));
   if (cfg.contexts < 1) throw std::invalid_argument("contexts must be >= 1");
+  if (cfg.continuation_tokens < 1) throw std::invalid_argument("continuation tokens must be >= 1");
 
   const LlamaModel model = LlamaModel::load(cfg.model_path);
   for (int len : cfg.lengths)
     if (len < 256 || len > model.hp.n_ctx_train)
       throw std::invalid_argument(
           fmt::format("length {} outside [256, {}] (the model's context)", len, model.hp.n_ctx_train));
-  const std::vector<std::string> docs = load_documents(cfg.corpus_path);
+  for (const auto& s : specs) {
+    KvCacheConfig probe_cfg{model.hp.n_layer, model.hp.n_head_kv, model.hp.head_dim, 16, 1, KvDtype::F16};
+    if (s.name != "global-basis") make_selector(s.name, probe_cfg, s.opts);  // throws on bad variants
+  }
+  const std::vector<std::string> all_docs = load_documents(cfg.corpus_path);
+  // Every tenth document is reserved for calibration (the global basis is fit on other text).
+  std::vector<std::string> calib_docs, docs;
+  for (size_t i = 0; i < all_docs.size(); ++i) (i % 10 == 0 ? calib_docs : docs).push_back(all_docs[i]);
+  if (calib_docs.empty()) calib_docs = docs;
 
   std::error_code ec;
   std::filesystem::create_directories(cfg.out_dir, ec);
@@ -81,80 +210,166 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg,
   if (!csv) throw std::runtime_error(fmt::format("cannot write '{}'", csv_path));
   csv << kCsvHeader << "\n" << std::flush;
 
+  // Loki's scope: one basis per (layer, KV head) from a dense prefill of calibration text.
+  std::shared_ptr<const GlobalBasis> global;
+  {
+    const bool need = std::any_of(specs.begin(), specs.end(), [](const auto& s) { return s.name == "global-basis"; });
+    if (need || cfg.locality_contexts > 0) {
+      if (progress) progress(0, 1, "calibrating the global basis on 4096 tokens of other text");
+      const auto ids = make_text_tokens(calib_docs, model.tokenizer, 4096, cfg.seed + 4242);
+      SessionConfig sc;
+      sc.n_ctx = 4096;
+      Session cal(model, sc);
+      cal.prefill(ids);
+      global = std::make_shared<GlobalBasis>(calibrate_global_basis(cal.cache(), cal.sequence(), model.hp.head_dim));
+    }
+    for (auto& s : specs) s.opts.global_basis = global;
+  }
+
   std::vector<EvalRow> rows;
-  const int total = int(families.size() * cfg.lengths.size()) * cfg.contexts;
+  const int n_fam = int(families.size()) + (continuation ? 1 : 0);
+  const int total = n_fam * int(cfg.lengths.size()) * cfg.contexts;
   int done = 0;
-  for (NeedleFamily fam : families) {
-    for (int len : cfg.lengths) {
+  const int matched_rho = matched_bytes_rank(cfg.summary, 16, model.hp.head_dim);
+  const std::vector<int> loc_ranks = {1, 2, 4, 8, 16, matched_rho};
+  std::map<int, std::vector<LocalityResult>> locality;  // by length
+
+  auto run_config = [&](const SelectorSpec& spec, int b, const Session& base, EvalRow row, auto&& body) {
+    SessionConfig sc;
+    sc.selector = spec.name;
+    sc.budget_tokens = b == 0 ? 32 : b;
+    sc.selector_opts = spec.opts;
+    Session s = base.fork(sc);
+    row.selector = spec.label;
+    row.budget = b;
+    body(s, row);
+    fill_efficiency(s, row);
+    csv << csv_row(row) << "\n" << std::flush;
+    rows.push_back(row);
+  };
+
+  for (int len : cfg.lengths) {
+    for (NeedleFamily fam : families) {
       for (int c = 0; c < cfg.contexts; ++c) {
         const uint64_t task_seed = cfg.seed * 1000003ull + uint64_t(len) * 31ull + uint64_t(fam) * 7919ull + c;
         const NeedleTask task = make_needle_task(docs, model.tokenizer, fam, len, task_seed);
-        if (progress) progress(done, total, fmt::format("{} {} ctx {} prefill {} tokens", needle_family_name(fam), len, c, task.context_ids.size()));
+        if (progress)
+          progress(done, total, fmt::format("{} {} ctx {}: prefill {} tokens", needle_family_name(fam), len, c,
+                                            task.context_ids.size()));
         SessionConfig base_cfg;
         base_cfg.n_ctx = task.total_tokens() + 16;
         Session base(model, base_cfg);
         base.prefill(task.context_ids);  // dense prefill, shared by every selector
-        for (const auto& sel : cfg.selectors) {
-          const std::vector<int> budgets = sel == "full" ? std::vector<int>{0} : cfg.budgets;
-          for (int b : budgets) {
-            SessionConfig sc;
-            sc.selector = sel;
-            sc.budget_tokens = b == 0 ? 32 : b;
-            sc.selector_opts.summary = cfg.summary;
-            Session s = base.fork(sc);
-            EvalRow row;
-            row.family = needle_family_name(fam);
-            row.length = len;
-            row.context = c;
-            row.task_seed = task_seed;
-            row.selector = sel;
-            row.budget = b;
-            row.prompt_tokens = int(task.context_ids.size());
-            answer_questions(s, task, row);
-            csv << csv_row(row) << "\n" << std::flush;
-            rows.push_back(row);
+        if (c < cfg.locality_contexts && fam == families.front())
+          locality[len].push_back(measure_locality(base.cache(), base.sequence(), loc_ranks, global.get()));
+        EvalRow proto;
+        proto.family = needle_family_name(fam);
+        proto.length = len;
+        proto.context = c;
+        proto.task_seed = task_seed;
+        proto.prompt_tokens = int(task.context_ids.size());
+        for (const auto& spec : specs) {
+          const std::vector<int> budgets = budget_free(spec.name) ? std::vector<int>{0} : cfg.budgets;
+          for (int b : budgets)
+            run_config(spec, b, base, proto, [&](Session& s, EvalRow& row) {
+              std::unique_ptr<FidelityProbe> probe;
+              if (cfg.fidelity && !budget_free(spec.name)) {
+                probe = std::make_unique<FidelityProbe>();
+                s.set_probe(probe.get());
+              }
+              answer_questions(s, task, probe.get(), row);
+              fill_fidelity(probe.get(), row);
+              s.set_probe(nullptr);
+            });
+        }
+        ++done;
+      }
+    }
+    if (continuation) {
+      for (int c = 0; c < cfg.contexts; ++c) {
+        const uint64_t task_seed = cfg.seed * 1000003ull + uint64_t(len) * 31ull + 555555ull + c;
+        const std::vector<int32_t> ids = make_text_tokens(docs, model.tokenizer, len, task_seed);
+        const int n_forced = std::min(cfg.continuation_tokens, len - 2);
+        const std::vector<int32_t> prefix(ids.begin(), ids.end() - n_forced), forced(ids.end() - n_forced, ids.end());
+        if (progress) progress(done, total, fmt::format("continuation {} ctx {}: prefill {} tokens", len, c, prefix.size()));
+        SessionConfig base_cfg;
+        base_cfg.n_ctx = len + 16;
+        Session base(model, base_cfg);
+        base.prefill(prefix);
+        // Reference distributions: full attention, teacher-forced over the same tokens.
+        std::vector<std::vector<double>> ref;
+        EvalRow proto;
+        proto.family = "continuation";
+        proto.length = len;
+        proto.context = c;
+        proto.task_seed = task_seed;
+        proto.prompt_tokens = int(prefix.size());
+        auto teacher_force = [&](Session& s, EvalRow& row, bool record) {
+          const std::vector<float>* logits = &s.logits();  // the prefill's last: predicts forced[0]
+          double kl = 0;
+          for (int i = 0; i < n_forced; ++i) {
+            const std::vector<double> lp = log_softmax(*logits);
+            if (record) {
+              ref.push_back(lp);
+            } else {
+              const auto& rp = ref[size_t(i)];
+              double k = 0;
+              for (size_t v = 0; v < lp.size(); ++v) k += std::exp(rp[v]) * (rp[v] - lp[v]);
+              kl += k;
+              const auto a = std::max_element(lp.begin(), lp.end()) - lp.begin();
+              const auto b = std::max_element(rp.begin(), rp.end()) - rp.begin();
+              row.answer_tokens_correct += a == b ? 1 : 0;
+            }
+            row.answer_tokens += 1;
+            if (i + 1 < n_forced) logits = &s.decode(forced[size_t(i)]);
+          }
+          row.kl_vs_full = record ? 0.0 : kl / n_forced;
+          row.correct = row.answer_tokens_correct == row.answer_tokens;
+        };
+        for (bool record : {true, false}) {
+          for (const auto& spec : specs) {
+            if (budget_free(spec.name) != record) continue;
+            const std::vector<int> budgets = budget_free(spec.name) ? std::vector<int>{0} : cfg.budgets;
+            for (int b : budgets)
+              run_config(spec, b, base, proto, [&](Session& s, EvalRow& row) {
+                teacher_force(s, row, record);
+                if (record) row.answer_tokens_correct = row.answer_tokens;  // full agrees with itself
+                fill_fidelity(nullptr, row);
+              });
+          }
+          if (record && ref.empty()) {  // no `full` in the list: record it anyway as the reference
+            Session s = base.fork(SessionConfig{});
+            EvalRow tmp = proto;
+            teacher_force(s, tmp, true);
           }
         }
         ++done;
-        if (progress) progress(done, total, fmt::format("{} {} ctx {} done", needle_family_name(fam), len, c));
+      }
+    }
+  }
+  if (progress) progress(done, total, "writing the report");
+
+  // Locality finding (averaged over the measured contexts of each length).
+  {
+    std::ofstream loc(cfg.out_dir + "/locality.csv", std::ios::trunc);
+    loc << "length,rank,page_local,sequence,global\n";
+    for (const auto& [len, results] : locality) {
+      for (size_t k = 0; k < loc_ranks.size(); ++k) {
+        double pl = 0, sq = 0, gl = 0;
+        for (const auto& r : results) {
+          pl += r.page_local[k];
+          sq += r.sequence[k];
+          gl += r.global.empty() ? kNaN : r.global[k];
+        }
+        const double n = double(results.size());
+        loc << fmt::format("{},{},{:.6f},{:.6f},{:.6f}\n", len, loc_ranks[k], pl / n, sq / n, gl / n);
       }
     }
   }
   std::ofstream md(cfg.out_dir + "/summary.md", std::ios::trunc);
   md << eval_summary_markdown(cfg, rows);
+  write_eval_plots(cfg, rows, locality, loc_ranks);
   return rows;
-}
-
-std::string eval_summary_markdown(const EvalConfig& cfg, const std::vector<EvalRow>& rows) {
-  std::string out = fmt::format("# locks eval\n\nmodel `{}`, corpus `{}`, {} contexts per cell, seed {}, LOCKS {}\n\n",
-                                cfg.model_path, cfg.corpus_path, cfg.contexts, cfg.seed, cfg.summary.describe());
-  for (const auto& fam : cfg.families) {
-    for (int len : cfg.lengths) {
-      out += fmt::format("## {} @ {} tokens — accuracy (correct / contexts), mean read ratio vs dense\n\n", fam, len);
-      out += "| selector |";
-      for (int b : cfg.budgets) out += fmt::format(" b={} |", b);
-      out += "\n|---|";
-      for (size_t i = 0; i < cfg.budgets.size(); ++i) out += "---|";
-      out += "\n";
-      for (const auto& sel : cfg.selectors) {
-        out += fmt::format("| {} |", sel);
-        for (int b : cfg.budgets) {
-          int n = 0, ok = 0;
-          double ratio = 0;
-          for (const auto& r : rows)
-            if (r.family == fam && r.length == len && r.selector == sel && (sel == "full" ? r.budget == 0 : r.budget == b)) {
-              ++n;
-              ok += r.correct;
-              ratio += r.read_ratio;
-            }
-          out += n ? fmt::format(" {}/{} ({:.0f}%), read {:.3f} |", ok, n, 100.0 * ok / n, ratio / n) : " – |";
-        }
-        out += "\n";
-      }
-      out += "\n";
-    }
-  }
-  return out;
 }
 
 }  // namespace locks

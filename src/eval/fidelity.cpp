@@ -145,9 +145,11 @@ void FidelityProbe::observe(const PagedKvCache& cache, const KvSequence& seq, co
   st.oracle_coverage = ocov_sum / G;
 
   // Carrier retention: pages holding the carrier tokens.
-  for (int32_t pos : carrier_positions_) {
-    if (pos < 0 || pos >= seq.n_tokens) continue;
-    const int j = pos / B;
+  std::vector<int> carrier_pages;
+  for (int32_t pos : carrier_positions_)
+    if (pos >= 0 && pos < seq.n_tokens && std::find(carrier_pages.begin(), carrier_pages.end(), pos / B) == carrier_pages.end())
+      carrier_pages.push_back(pos / B);
+  for (const int j : carrier_pages) {
     st.carrier_any_obs += 1;
     st.carrier_any_kept += in_s[j];
     if (group_share[j] >= threshold_) {

@@ -156,6 +156,7 @@ NeedleTask make_needle_task(const std::vector<std::string>& docs, const Tokenize
   std::vector<int32_t> prev = task.context_ids;
   for (size_t i = 0; i < q_text.size(); ++i) {
     NeedleQuestion q;
+    q.needle = asked[i];
     q.key = task.keys[asked[i]];
     q.value = task.values[asked[i]];
     text += q_text[i];
@@ -175,8 +176,27 @@ NeedleTask make_needle_task(const std::vector<std::string>& docs, const Tokenize
     if (at == std::string::npos) throw std::runtime_error("needle task: needle lost while building the context");
     task.needle_pos.push_back(int32_t(tok.encode(ctx.substr(0, at + 1), true).size()));
     task.needle_depths.push_back(double(task.needle_pos.back()) / double(task.context_ids.size()));
+    const size_t at_value = ctx.find(" " + task.values[i] + ".", at + 1);
+    task.value_pos.push_back(int32_t(tok.encode(ctx.substr(0, at_value), true).size()));
   }
   return task;
+}
+
+std::vector<int32_t> make_text_tokens(const std::vector<std::string>& docs, const Tokenizer& tok, int n_tokens,
+                                      uint64_t seed) {
+  if (docs.empty() || n_tokens < 2) throw std::invalid_argument("text tokens: no documents or too few tokens");
+  std::mt19937_64 rng(seed * 0xD1B54A32D192ED03ull + 99);
+  std::string text;
+  size_t d = rng() % docs.size();
+  for (size_t seen = 0; text.size() < size_t(n_tokens) * 4 + 4096; d = (d + 1) % docs.size(), ++seen) {
+    if (seen > docs.size()) throw std::invalid_argument("text tokens: documents hold too little text");
+    text += docs[d];
+    text += "\n\n";
+  }
+  std::vector<int32_t> ids = tok.encode(text, true);
+  if (int(ids.size()) < n_tokens) throw std::invalid_argument("text tokens: documents hold too little text");
+  ids.resize(size_t(n_tokens));
+  return ids;
 }
 
 }  // namespace locks

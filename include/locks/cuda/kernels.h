@@ -82,10 +82,12 @@ cudaError_t summary_build(const SummaryBuildParams& p, cudaStream_t stream);
 /// (last_page_len < 16), has no summary: its exact log-mass is computed from its keys, as the CPU
 /// selector does. Also produces the per-head normaliser of the shares (Eq. 5):
 /// lse_total[b][h][g] = logsumexp_j log_mass[b][h][g][j].
-/// Launch contract: grid (n_chunks, n_head_kv, batch), 128 threads; CTA (c, h, b) scores positions
-/// [c * chunk_pages, (c + 1) * chunk_pages) with one warp per 8 pages (tensor cores: Q x basis,
-/// Q x centroid, W x coefficients), writes per-chunk (max, sum) and the last CTA of (b, h) merges
-/// them (counters[b * n_head_kv + h] must be 0 before the first launch; left 0 afterwards).
+/// Launch contract: `grid` persistent CTAs of 128 threads (about 53 KB of shared memory at d 128)
+/// take work items (b, h, chunk c) from a counter; an item scores positions [c * chunk_pages,
+/// (c + 1) * chunk_pages), each warp 8 pages at a time (int8 tensor cores: Q x basis, Q x centroid;
+/// f16: W x coefficients) with the next 8 records in flight (cp.async). Each item writes its chunk's
+/// (max, sum) and the last item of (b, h) merges them. counters has batch * n_head_kv + 2 entries,
+/// zero before the first launch and left zero afterwards.
 struct ScoreParams {
   const float* q = nullptr;            // [batch][n_head_kv * group][head_dim]
   PagedKvView kv;                      // page table; K read only for partial last pages
@@ -99,9 +101,12 @@ struct ScoreParams {
   int log_mass_stride = 0;             // >= max_b n_pages_b, multiple of 8
   float* lse_total = nullptr;          // out [batch][n_head_kv][group]
   float* chunk_stats = nullptr;        // workspace [batch][n_head_kv][n_chunks][16][2]
-  uint32_t* counters = nullptr;        // workspace [batch][n_head_kv], zero-initialised
+  uint32_t* counters = nullptr;        // workspace [batch * n_head_kv + 2], zero-initialised
+  int grid = 0;                        // persistent CTAs; 0: enough to fill the device
   bool pdl = false;                    // launch with programmatic dependent launch
 };
+/// Counters a ScoreParams needs (batch * n_head_kv + 2).
+inline size_t score_counters(int batch, int n_head_kv) { return size_t(batch) * n_head_kv + 2; }
 cudaError_t score_pages(const ScoreParams& p, cudaStream_t stream);
 
 // ----------------------------------------------------------------------------------------------
@@ -156,6 +161,10 @@ struct AttentionParams {
   float* partial_lse = nullptr;        // workspace [batch][n_head_kv][n_splits][16]
   uint32_t* counters = nullptr;        // workspace [batch][n_head_kv], zero-initialised
   bool pdl = false;
+  /// With pdl: read q and the page table before waiting for the previous kernel (only `selected`
+  /// and `n_selected` after). Valid when the previous kernel in the stream produced only those
+  /// (select_pages inside locks_decode_step).
+  bool pdl_early_reads = false;
 };
 cudaError_t paged_decode_attention(const AttentionParams& p, cudaStream_t stream);
 
@@ -184,7 +193,8 @@ struct DecodePlan {
   // Byte offsets inside the workspace.
   size_t off_log_mass = 0, off_lse_total = 0, off_chunk_stats = 0, off_keys = 0, off_hist = 0,
          off_selected = 0, off_n_selected = 0, off_partial_o = 0, off_partial_lse = 0,
-         off_counters = 0;
+         off_counters = 0, off_counters_sparse = 0, off_counters_dense = 0;
+  int score_grid = 0;
   size_t counters_bytes = 0;
 };
 /// Throws std::invalid_argument for unsupported shapes (head_dim, group, budget).

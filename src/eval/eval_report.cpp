@@ -1,0 +1,209 @@
+// The Markdown summary and SVG plots of `locks eval`.
+#include "eval/eval_report.h"
+
+#include <cmath>
+#include <limits>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "locks/svg_plot.h"
+
+namespace locks {
+
+namespace {
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+// Rows of one (family, length, selector, budget); budget-free selectors match every budget.
+template <class F>
+void for_rows(const std::vector<EvalRow>& rows, const std::string& fam, int len, const std::string& sel, int b, F&& f) {
+  for (const auto& r : rows)
+    if (r.family == fam && r.length == len && r.selector == sel && (r.budget == 0 || r.budget == b)) f(r);
+}
+
+std::string num(double v, int prec = 3) { return std::isnan(v) ? "–" : fmt::format("{:.{}f}", v, prec); }
+
+bool is_retrieval(const std::string& f) { return f != "continuation"; }
+
+}  // namespace
+
+std::string eval_summary_markdown(const EvalConfig& cfg, const std::vector<EvalRow>& rows) {
+  std::string out = fmt::format(
+      "# locks eval\n\nmodel `{}`, corpus `{}`, {} contexts per (task, length), seed {}, LOCKS base format {}\n\n",
+      cfg.model_path, cfg.corpus_path, cfg.contexts, cfg.seed, cfg.summary.describe());
+  for (int len : cfg.lengths) {
+    for (const auto& fam : cfg.families) {
+      const bool retr = is_retrieval(fam);
+      out += retr ? fmt::format("## {} @ {} tokens — accuracy (correct / contexts) and read ratio vs dense\n\n", fam, len)
+                  : fmt::format("## continuation @ {} tokens — top-1 agreement with full attention, KL(full‖sel) "
+                                "nats/token, read ratio\n\n", len);
+      out += "| selector |";
+      for (int b : cfg.budgets) out += fmt::format(" b={} |", b);
+      out += "\n|---|";
+      for (size_t i = 0; i < cfg.budgets.size(); ++i) out += "---|";
+      out += "\n";
+      for (const auto& sel : cfg.selectors) {
+        out += fmt::format("| {} |", sel);
+        for (int b : cfg.budgets) {
+          int n = 0, ok = 0, tok = 0, tok_ok = 0;
+          double ratio = 0, kl = 0;
+          for_rows(rows, fam, len, sel, b, [&](const EvalRow& r) {
+            ++n;
+            ok += r.correct;
+            tok += r.answer_tokens;
+            tok_ok += r.answer_tokens_correct;
+            ratio += r.read_ratio;
+            kl += r.kl_vs_full;
+          });
+          if (!n)
+            out += " – |";
+          else if (retr)
+            out += fmt::format(" {}/{} ({:.0f}%), read {:.3f} |", ok, n, 100.0 * ok / n, ratio / n);
+          else
+            out += fmt::format(" {:.1f}%, KL {:.4f}, read {:.3f} |", 100.0 * tok_ok / std::max(tok, 1), kl / n, ratio / n);
+        }
+        out += "\n";
+      }
+      out += "\n";
+    }
+    // Fidelity chain over the retrieval families, per selector and budget.
+    std::vector<std::string> retr_fams;
+    for (const auto& f : cfg.families)
+      if (is_retrieval(f)) retr_fams.push_back(f);
+    if (!cfg.fidelity || retr_fams.empty()) continue;
+    out += fmt::format(
+        "## fidelity chain @ {} tokens (answer steps of {}; means over (layer, KV head, step))\n\n"
+        "| selector | budget | LSE MAE | logit MAE | Spearman | coverage | worst-head cov. | oracle cov. | "
+        "carrier kept (≥5% mass) | carrier kept (all) | output rel. err | read ratio |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        len, fmt::join(retr_fams, ", "));
+    for (const auto& sel : cfg.selectors) {
+      for (int b : cfg.budgets) {
+        std::vector<EvalRow> sub;
+        for (const auto& f : retr_fams) for_rows(rows, f, len, sel, b, [&](const EvalRow& r) { sub.push_back(r); });
+        if (sub.empty() || sub.front().budget == 0) continue;
+        auto m = [&](double EvalRow::*field) {
+          double s = 0, n = 0;
+          for (const auto& r : sub)
+            if (!std::isnan(r.*field)) {
+              s += r.*field;
+              n += 1;
+            }
+          return n > 0 ? s / n : kNaN;
+        };
+        // Carrier retention pooled over observations, not averaged per row.
+        double kept = 0, obs = 0;
+        for (const auto& r : sub)
+          if (!std::isnan(r.carrier_retention) && r.carrier_obs > 0) {
+            kept += r.carrier_retention * r.carrier_obs;
+            obs += r.carrier_obs;
+          }
+        out += fmt::format("| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n", sel, b, num(m(&EvalRow::lse_mae)),
+                           num(m(&EvalRow::logit_mae)), num(m(&EvalRow::spearman)), num(m(&EvalRow::coverage)),
+                           num(m(&EvalRow::worst_head_coverage)), num(m(&EvalRow::oracle_coverage)),
+                           obs > 0 ? fmt::format("{:.3f} (n={:.0f})", kept / obs, obs) : "–",
+                           num(m(&EvalRow::carrier_retention_any)), num(m(&EvalRow::output_rel_err)),
+                           num(m(&EvalRow::read_ratio)));
+      }
+    }
+    out += "\n";
+  }
+  return out;
+}
+
+void write_eval_plots(const EvalConfig& cfg, const std::vector<EvalRow>& rows,
+                      const std::map<int, std::vector<LocalityResult>>& locality, const std::vector<int>& loc_ranks) {
+  std::vector<double> xs(cfg.budgets.begin(), cfg.budgets.end());
+  for (int len : cfg.lengths) {
+    for (const auto& fam : cfg.families) {
+      std::vector<PlotSeries> series;
+      for (const auto& sel : cfg.selectors) {
+        PlotSeries s{sel, xs, {}};
+        for (int b : cfg.budgets) {
+          double n = 0, ok = 0;
+          for_rows(rows, fam, len, sel, b, [&](const EvalRow& r) {
+            n += 1;
+            ok += is_retrieval(fam) ? double(r.correct) : double(r.answer_tokens_correct) / std::max(r.answer_tokens, 1);
+          });
+          s.y.push_back(n > 0 ? 100.0 * ok / n : kNaN);
+        }
+        series.push_back(std::move(s));
+      }
+      write_text_file(cfg.out_dir + fmt::format("/accuracy_vs_budget_{}_{}.svg", fam, len),
+                      svg_line_chart(is_retrieval(fam) ? fmt::format("{} @ {} tokens: accuracy", fam, len)
+                                                       : fmt::format("continuation @ {} tokens: top-1 agreement", len),
+                                     "budget (tokens per KV head)", "%", series, true, 0.0, 100.0));
+    }
+    if (cfg.fidelity) {
+      std::vector<PlotSeries> series;
+      for (const auto& sel : cfg.selectors) {
+        PlotSeries s{sel, xs, {}};
+        for (int b : cfg.budgets) {
+          double kept = 0, obs = 0;
+          for (const auto& fam : cfg.families)
+            if (is_retrieval(fam))
+              for_rows(rows, fam, len, sel, b, [&](const EvalRow& r) {
+                if (r.budget != 0 && !std::isnan(r.carrier_retention) && r.carrier_obs > 0) {
+                  kept += r.carrier_retention * r.carrier_obs;
+                  obs += r.carrier_obs;
+                }
+              });
+          s.y.push_back(obs > 0 ? kept / obs : kNaN);
+        }
+        series.push_back(std::move(s));
+      }
+      write_text_file(cfg.out_dir + fmt::format("/carrier_retention_vs_budget_{}.svg", len),
+                      svg_line_chart(fmt::format("carrier retention @ {} tokens (carrier page holds >= 5% mass)", len),
+                                     "budget (tokens per KV head)", "fraction of steps kept", series, true, 0.0, 1.0));
+      // Error ladder: LSE MAE of each estimating selector at the middle budget.
+      const int b = cfg.budgets[cfg.budgets.size() / 2];
+      std::vector<BarGroup> groups;
+      for (const auto& sel : cfg.selectors) {
+        double s = 0, n = 0;
+        for (const auto& fam : cfg.families)
+          if (is_retrieval(fam))
+            for_rows(rows, fam, len, sel, b, [&](const EvalRow& r) {
+              if (!std::isnan(r.lse_mae)) {
+                s += r.lse_mae;
+                n += 1;
+              }
+            });
+        if (n > 0) groups.push_back({sel, {s / n}});
+      }
+      if (!groups.empty())
+        write_text_file(cfg.out_dir + fmt::format("/error_ladder_{}.svg", len),
+                        svg_bar_chart(fmt::format("page log-mass error |s_hat - s| @ {} tokens, budget {}", len, b),
+                                      "mean absolute error (nats)", {"LSE MAE"}, groups));
+    }
+  }
+  for (const auto& [len, results] : locality) {
+    if (results.empty()) continue;
+    std::vector<double> ranks(loc_ranks.begin(), loc_ranks.end());
+    PlotSeries pl{"page-local (LOCKS)", {}, {}}, sq{"sequence (ShadowKV scope)", {}, {}}, gl{"global (Loki scope)", {}, {}};
+    for (size_t k = 0; k < loc_ranks.size(); ++k) {
+      double a = 0, b2 = 0, c = 0;
+      for (const auto& r : results) {
+        a += r.page_local[k];
+        b2 += r.sequence[k];
+        c += r.global.empty() ? kNaN : r.global[k];
+      }
+      const double n = double(results.size());
+      if (loc_ranks[k] <= 16) {
+        pl.x.push_back(ranks[k]);
+        pl.y.push_back(a / n);
+      }
+      sq.x.push_back(ranks[k]);
+      sq.y.push_back(b2 / n);
+      gl.x.push_back(ranks[k]);
+      gl.y.push_back(c / n);
+    }
+    write_text_file(cfg.out_dir + fmt::format("/locality_{}.svg", len),
+                    svg_line_chart(fmt::format("within-page key energy captured at rank r ({} tokens; last point of the "
+                                               "shared scopes = matched bytes rank {})",
+                                               len, loc_ranks.back()),
+                                   "rank", "fraction of energy", {pl, sq, gl}, true, 0.0, 1.0));
+  }
+}
+
+}  // namespace locks
