@@ -39,6 +39,7 @@ struct RunArgs {
   int n_ctx = 0;
   std::string kv_dtype = "f16";
   bool json = false;
+  bool prompt_given = false;  // -p was passed (an empty prompt then means BOS only)
 };
 
 std::string read_file(const std::string& path) {
@@ -55,9 +56,9 @@ int run(const RunArgs& a) {
   if (a.threads > 0) omp_set_num_threads(a.threads);
   std::string prompt;
   bool default_prompt = false;
-  if (!a.prompt.empty() && !a.prompt_file.empty())
+  if (a.prompt_given && !a.prompt_file.empty())
     throw std::invalid_argument("--prompt and --prompt-file are mutually exclusive");
-  if (!a.prompt.empty()) {
+  if (a.prompt_given) {
     prompt = a.prompt;
   } else if (a.prompt_file == "-") {
     prompt.assign(std::istreambuf_iterator<char>(std::cin), {});
@@ -134,7 +135,7 @@ int run(const RunArgs& a) {
 Runner add_run(CLI::App& app) {
   auto a = std::make_shared<RunArgs>();
   app.add_option("-m,--model", a->model, "GGUF model (default: models/locks-ref-a-q8_0.gguf)");
-  app.add_option("-p,--prompt", a->prompt, "prompt text");
+  CLI::Option* prompt_opt = app.add_option("-p,--prompt", a->prompt, "prompt text (\"\" = generate from BOS)");
   app.add_option("-f,--prompt-file", a->prompt_file, "prompt file, '-' for stdin (default: examples/needle-8k.txt)");
   app.add_option("-s,--selector", a->selector, "page selector (full = dense, oracle = exact page LSE, locks, baselines)")
       ->check(CLI::IsMember(selector_names()))->capture_default_str();
@@ -157,7 +158,8 @@ Runner add_run(CLI::App& app) {
   app.add_option("-c,--ctx", a->n_ctx, "context size in tokens (default: the model's)")->check(CLI::Range(1, 1 << 26));
   app.add_option("--kv-dtype", a->kv_dtype, "KV cache storage: f16 or f32")->check(CLI::IsMember({"f16", "f32"}))->capture_default_str();
   app.add_flag("--json", a->json, "print one JSON object instead of streamed text and a stats line");
-  return [a] {
+  return [a, prompt_opt] {
+    a->prompt_given = prompt_opt->count() > 0;
     if (a->budget % 16 != 0)
       throw CLI::ValidationError("--budget", fmt::format("{} is not a multiple of the page size 16", a->budget));
     return run(*a);

@@ -154,7 +154,7 @@ void write_eval_plots(const EvalConfig& cfg, const std::vector<EvalRow>& rows,
         series.push_back(std::move(s));
       }
       write_text_file(cfg.out_dir + fmt::format("/carrier_retention_vs_budget_{}.svg", len),
-                      svg_line_chart(fmt::format("carrier retention @ {} tokens (carrier page holds >= 5% mass)", len),
+                      svg_line_chart(fmt::format("carrier retention @ {} tokens (carrier >= 5% of mass)", len),
                                      "budget (tokens per KV head)", "fraction of steps kept", series, true, 0.0, 1.0));
       // Error ladder: LSE MAE of each estimating selector at the middle budget.
       const int b = cfg.budgets[cfg.budgets.size() / 2];
@@ -199,10 +199,9 @@ void write_eval_plots(const EvalConfig& cfg, const std::vector<EvalRow>& rows,
       gl.y.push_back(c / n);
     }
     write_text_file(cfg.out_dir + fmt::format("/locality_{}.svg", len),
-                    svg_line_chart(fmt::format("within-page key energy captured at rank r ({} tokens; last point of the "
-                                               "shared scopes = matched bytes rank {})",
-                                               len, loc_ranks.back()),
-                                   "rank", "fraction of energy", {pl, sq, gl}, true, 0.0, 1.0));
+                    svg_line_chart(fmt::format("within-page key energy captured at rank r, {} tokens", len),
+                                   fmt::format("rank (shared scopes also at matched bytes: rank {})", loc_ranks.back()),
+                                   "fraction of energy", {pl, sq, gl}, true, 0.0, 1.0));
   }
 }
 

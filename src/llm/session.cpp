@@ -205,7 +205,15 @@ void Session::forward(std::span<const int32_t> tokens, bool decode_step) {
         req.seq = &seq_;
         req.budget_pages = budget_pages_;
         req.want_estimates = probe_ && probe_->enabled;
-        selector_->select(cache_, req, sel[h]);
+        if (seq_.n_pages() <= budget_pages_ && !req.want_estimates) {
+          // The budget covers every page: attention is dense, nothing to score or read twice.
+          sel[h].pages.resize(seq_.n_pages());
+          for (int32_t j = 0; j < seq_.n_pages(); ++j) sel[h].pages[j] = j;
+          sel[h].bytes_read = 0;
+          sel[h].all_pages = true;
+        } else {
+          selector_->select(cache_, req, sel[h]);
+        }
       }
       const auto t_att = Clock::now();
       totals_.select_seconds += std::chrono::duration<double>(t_att - t_sel).count();
