@@ -54,7 +54,7 @@ for stage in "$@"; do
       NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       timeout 150 "$NCU" --clock-control none -k regex:'score_kernel|attention_kernel|select_kernel|share_hist' \
         -c 6 --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
-        "$DIST/bin/locks" bench --device cuda --contexts 1048576 --kv-heads 4 --group 8 --batches 1 --runs 1 \
+        "$DIST/bin/locks" bench --device cuda --contexts 1048576 --kv-heads 4 --group 8 --head-dim 128 --batches 1 --runs 1 \
         > "$OUT/ncu.log" 2>&1; echo "ncu rc=$?"
       grep -E "^  [a-z_:<>0-9, ]*(score|attention|select|share)|DRAM Throughput|Memory Throughput|Duration|Compute \(SM\) Th|Issue Slots|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Grid Size" \
         "$OUT/ncu.log" | head -70 ;;

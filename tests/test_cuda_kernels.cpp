@@ -38,10 +38,10 @@ namespace lc = locks::cuda;
 
 namespace {
 
-#define SKIP_WITHOUT_CUDA()                                    \
-  do {                                                         \
-    std::string why_;                                          \
-    if (!lc::device_available(&why_)) GTEST_SKIP() << why_;    \
+#define SKIP_WITHOUT_CUDA()                                 \
+  do {                                                      \
+    std::string why_;                                       \
+    if (!lc::device_available(&why_)) GTEST_SKIP() << why_; \
   } while (0)
 
 void ck(cudaError_t e, const char* what) {
@@ -53,7 +53,9 @@ struct Dev {
   T* p = nullptr;
   size_t n = 0;
   Dev() = default;
-  explicit Dev(size_t count) : n(count) { ck(cudaMalloc(reinterpret_cast<void**>(&p), std::max<size_t>(1, n) * sizeof(T)), "cudaMalloc"); }
+  explicit Dev(size_t count) : n(count) {
+    ck(cudaMalloc(reinterpret_cast<void**>(&p), std::max<size_t>(1, n) * sizeof(T)), "cudaMalloc");
+  }
   explicit Dev(const std::vector<T>& v) : Dev(v.size()) { up(v); }
   Dev(const Dev&) = delete;
   Dev& operator=(const Dev&) = delete;
@@ -141,10 +143,10 @@ struct World {
         if (pos % 16 == 0) {
           const int page = pos / 16;
           kind = !special_pages || page < 2 ? PageKind::kStructured
-                 : page % 11 == 3          ? PageKind::kZero
-                 : page % 11 == 6          ? PageKind::kIdentical
-                 : page % 11 == 8          ? PageKind::kRank2
-                                           : PageKind::kStructured;
+                 : page % 11 == 3           ? PageKind::kZero
+                 : page % 11 == 6           ? PageKind::kIdentical
+                 : page % 11 == 8           ? PageKind::kRank2
+                                            : PageKind::kStructured;
           for (auto& x : base) x = 2.0f * N(rng);
           for (auto& x : dir2) x = N(rng);
         }
@@ -152,10 +154,18 @@ struct World {
         for (int i = 0; i < H * d; ++i) {
           float kx = 0.0f;
           switch (kind) {
-            case PageKind::kStructured: kx = base[i] + 0.5f * N(rng); break;
-            case PageKind::kZero: kx = 0.0f; break;
-            case PageKind::kIdentical: kx = base[i]; break;
-            case PageKind::kRank2: kx = base[i] + a * dir2[i] + c2 * (i % 3 == 0 ? 1.0f : -0.5f); break;
+            case PageKind::kStructured:
+              kx = base[i] + 0.5f * N(rng);
+              break;
+            case PageKind::kZero:
+              kx = 0.0f;
+              break;
+            case PageKind::kIdentical:
+              kx = base[i];
+              break;
+            case PageKind::kRank2:
+              kx = base[i] + a * dir2[i] + c2 * (i % 3 == 0 ? 1.0f : -0.5f);
+              break;
           }
           float vx = N(rng);
           if (t == lc::KvType::kBF16) {
@@ -427,8 +437,8 @@ SelectOut run_select(int B, int H, int G, const std::vector<int32_t>& indptr, co
 
 // For every (b, h): the GPU set is valid (sorted, unique, sink + recent, size min(k, n)) and captures
 // the same CPU share mass as the CPU selection.
-void check_selection(int B, int H, int G, const std::vector<int32_t>& indptr, const std::vector<float>& lm,
-                     int stride, int k, const SelectOut& o, double tol, bool exact_sets) {
+void check_selection(int B, int H, int G, const std::vector<int32_t>& indptr, const std::vector<float>& lm, int stride,
+                     int k, const SelectOut& o, double tol, bool exact_sets) {
   double worst = 0.0;
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < H; ++h) {
@@ -750,8 +760,7 @@ TEST(CudaSelect, ExactOnDuplicatesAndTiesGoToLowerIndex) {
       }
     // Heads of a group see the same values so shares tie exactly.
     for (int h = 0; h < H; ++h)
-      for (int g = 1; g < G; ++g)
-        std::copy_n(&lm[(size_t(h) * G) * stride], n, &lm[(size_t(h) * G + g) * stride]);
+      for (int g = 1; g < G; ++g) std::copy_n(&lm[(size_t(h) * G) * stride], n, &lm[(size_t(h) * G + g) * stride]);
     for (int h = 0; h < H; ++h)
       for (int g = 0; g < G; ++g) lse[size_t(h) * G + g] = float(lse_of(&lm[(size_t(h) * G + g) * stride], n));
     const SelectOut o = run_select(B, H, G, indptr, lm, lse, stride, k);
@@ -902,9 +911,10 @@ void run_step_test(World& w, int budget_pages, const char* what) {
   for (size_t bh = 0; bh < lists.size(); ++bh)
     lists[bh].assign(sel.begin() + bh * budget_pages, sel.begin() + bh * budget_pages + nsel[bh]);
   const double rel = check_attention(w, q, {o1, dl.down()}, lists, what);
-  std::printf("[ step %s ] captured-mass shortfall vs CPU max %.2e, output rel err max %.2e, plan: score chunk %d, "
-              "sparse %d x %d pages\n",
-              what, worst_mass, rel, plan.score_chunk_pages, plan.sparse_splits, plan.sparse_pages_per_split);
+  std::printf(
+      "[ step %s ] captured-mass shortfall vs CPU max %.2e, output rel err max %.2e, plan: score chunk %d, "
+      "sparse %d x %d pages\n",
+      what, worst_mass, rel, plan.score_chunk_pages, plan.sparse_splits, plan.sparse_pages_per_split);
 
   // (3) CUDA graph: capture once, replay with new queries; equals the eager step.
   cudaStream_t st;

@@ -179,9 +179,8 @@ int run_bench(const BenchOptions& o) {
     const size_t bytes = size_t(4) << 30;
     DevMem a(bytes), sink(64);
     ck(cudaMemset(a.p, 3, bytes), "memset");
-    const double us = time_us(fl, s, 3, 10, [&] {
-      read_kernel<<<n_sm * 8, 512, 0, s>>>(a.as<uint4>(), bytes / 16, sink.as<uint32_t>());
-    });
+    const double us = time_us(
+        fl, s, 3, 10, [&] { read_kernel<<<n_sm * 8, 512, 0, s>>>(a.as<uint4>(), bytes / 16, sink.as<uint32_t>()); });
     read_gbs = double(bytes) / us * 1e-3;
     const size_t half = bytes / 2;
     const double us2 = time_us(fl, s, 3, 10, [&] {
@@ -192,9 +191,10 @@ int run_bench(const BenchOptions& o) {
   }
   std::printf("measured bandwidth: read %.0f GB/s (4 GiB, 16-byte loads), copy %.0f GB/s (read + write)\n", read_gbs,
               copy_gbs);
-  std::printf("LOCKS budget %d tokens (%d pages), summaries r=8 int4 basis / int8 coef / int8 centroid, KV %s, "
-              "L2 flushed before each run, median of %d runs, CUDA graphs, PDL %s\n",
-              o.budget_tokens, o.budget_tokens / 16, o.bf16 ? "bf16" : "f16", o.runs, o.pdl ? "on" : "off");
+  std::printf(
+      "LOCKS budget %d tokens (%d pages), summaries r=8 int4 basis / int8 coef / int8 centroid, KV %s, "
+      "L2 flushed before each run, median of %d runs, CUDA graphs, PDL %s\n",
+      o.budget_tokens, o.budget_tokens / 16, o.bf16 ? "bf16" : "f16", o.runs, o.pdl ? "on" : "off");
 
   std::FILE* csv = o.csv.empty() ? nullptr : std::fopen(o.csv.c_str(), "w");
   if (csv)
@@ -202,9 +202,10 @@ int run_bench(const BenchOptions& o) {
                  "shape,n_head_kv,group,head_dim,context,batch,dense_us,dense_bytes,locks_us,locks_bytes,score_us,"
                  "score_bytes,select_us,attn_us,attn_bytes,l2_intermediate_bytes,build_pages_per_s,build_batch_us,"
                  "read_gbs,copy_gbs\n");
-  std::printf("\n| shape | context | batch | dense us | dense GB/s | LOCKS step us | score us | score GB/s (%% of read) "
-              "| select us | sparse attn us | speedup | dense MB | LOCKS MB | fewer bytes | build Mpage/s | build/step |\n"
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf(
+      "\n| shape | context | batch | dense us | dense GB/s | LOCKS step us | score us | score GB/s (%% of read) "
+      "| select us | sparse attn us | speedup | dense MB | LOCKS MB | fewer bytes | build Mpage/s | build/step |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
 
   const auto shapes = o.shapes.empty() ? default_bench_shapes() : o.shapes;
   const int budget_pages = o.budget_tokens / 16;
@@ -219,7 +220,8 @@ int run_bench(const BenchOptions& o) {
         const size_t kv_elems = pool * H * 16 * D;
         const double kv_gib = 2.0 * kv_elems * 2 / double(1 << 30);
         if (kv_gib > o.max_gib) {
-          std::printf("| %s | %d | %d | skipped: KV %.1f GiB > %.0f GiB |\n", sh.name.c_str(), ctx, B, kv_gib, o.max_gib);
+          std::printf("| %s | %d | %d | skipped: KV %.1f GiB > %.0f GiB |\n", sh.name.c_str(), ctx, B, kv_gib,
+                      o.max_gib);
           continue;
         }
         DevMem k(kv_elems * 2), v(kv_elems * 2);
@@ -398,17 +400,19 @@ int run_bench(const BenchOptions& o) {
         const double dense_bytes = double(B) * H * tokens * tok_bytes + double(B) * pages * 4;
         const int sel_pages = std::min(budget_pages, pages);
         const double sel_tokens = double(sel_pages - 1) * 16 + last_len;
-        const double score_bytes = double(B) * H * ((pages - 1) * double(rb) + last_len * D * 2.0) + double(B) * pages * 4;
+        const double score_bytes =
+            double(B) * H * ((pages - 1) * double(rb) + last_len * D * 2.0) + double(B) * pages * 4;
         const double attn_bytes = double(B) * H * sel_tokens * tok_bytes + double(B) * H * sel_pages * 4.0;
         const double locks_bytes = score_bytes + attn_bytes;
         const double l2_bytes = double(B) * H * pages * (G * 4.0 * 2 + 4.0 * 2);  // log-mass, keys (L2-resident)
         const double md = median(t_dense), ml = median(t_locks), msc = median(t_score), mss = median(t_ss),
                      ma = median(t_attn);
-        std::printf("| %s | %dK | %d | %.1f | %.0f | %.1f | %.1f | %.0f (%.0f%%) | %.1f | %.1f | %.2fx | %.1f | %.1f | "
-                    "%.2fx | %.2f | %.3f |\n",
-                    sh.name.c_str(), ctx / 1024, B, md, dense_bytes / md * 1e-3, ml, msc, score_bytes / msc * 1e-3,
-                    100.0 * score_bytes / msc * 1e-3 / read_gbs, mss - msc, ma, md / ml, dense_bytes / 1e6,
-                    locks_bytes / 1e6, dense_bytes / locks_bytes, build_pps * 1e-6, build_batch_us / 16.0 / ml);
+        std::printf(
+            "| %s | %dK | %d | %.1f | %.0f | %.1f | %.1f | %.0f (%.0f%%) | %.1f | %.1f | %.2fx | %.1f | %.1f | "
+            "%.2fx | %.2f | %.3f |\n",
+            sh.name.c_str(), ctx / 1024, B, md, dense_bytes / md * 1e-3, ml, msc, score_bytes / msc * 1e-3,
+            100.0 * score_bytes / msc * 1e-3 / read_gbs, mss - msc, ma, md / ml, dense_bytes / 1e6, locks_bytes / 1e6,
+            dense_bytes / locks_bytes, build_pps * 1e-6, build_batch_us / 16.0 / ml);
         std::fflush(stdout);
         if (csv) {
           std::fprintf(csv, "%s,%d,%d,%d,%d,%d,%.3f,%.0f,%.3f,%.0f,%.3f,%.0f,%.3f,%.3f,%.0f,%.0f,%.0f,%.3f,%.1f,%.1f\n",
@@ -418,9 +422,10 @@ int run_bench(const BenchOptions& o) {
         }
       }
   if (csv) std::fclose(csv);
-  std::printf("\nbuild Mpage/s: (page, KV head) summaries per second, all full pages of the batch in one launch; "
-              "build/step: building one new page per sequence (every 16 decode steps), amortised per step, over "
-              "the LOCKS step time\n");
+  std::printf(
+      "\nbuild Mpage/s: (page, KV head) summaries per second, all full pages of the batch in one launch; "
+      "build/step: building one new page per sequence (every 16 decode steps), amortised per step, over "
+      "the LOCKS step time\n");
   cudaStreamDestroy(s);
   return 0;
 }

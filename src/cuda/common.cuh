@@ -97,7 +97,8 @@ __device__ __forceinline__ uint32_t hsub2_bits(uint32_t a, uint32_t b) {
   return *reinterpret_cast<uint32_t*>(&r);
 }
 __device__ __forceinline__ uint32_t hfma2_bits(uint32_t a, uint32_t b, uint32_t c) {
-  __half2 r = __hfma2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b), *reinterpret_cast<__half2*>(&c));
+  __half2 r =
+      __hfma2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b), *reinterpret_cast<__half2*>(&c));
   return *reinterpret_cast<uint32_t*>(&r);
 }
 
@@ -105,14 +106,14 @@ __device__ __forceinline__ uint32_t hfma2_bits(uint32_t a, uint32_t b, uint32_t 
 /// f16 pairs: out[0] = (e0, e4), out[1] = (e1, e5), out[2] = (e2, e6), out[3] = (e3, e7).
 /// The 0x6400 exponent trick: f16 bits 0x6400 | u = 1024 + u for u < 1024.
 __device__ __forceinline__ void unpack_int4x8(uint32_t w, uint32_t (&out)[4]) {
-  const uint32_t u = w ^ 0x88888888u;  // signed code c -> unsigned c + 8
+  const uint32_t u = w ^ 0x88888888u;                           // signed code c -> unsigned c + 8
   const uint32_t lo = (u & 0x000f000fu) | 0x64006400u;          // (1024 + u0, 1024 + u4)
   const uint32_t hi = (u & 0x00f000f0u) | 0x64006400u;          // (1024 + 16 u1, 1024 + 16 u5)
   const uint32_t lo2 = ((u >> 8) & 0x000f000fu) | 0x64006400u;  // (1024 + u2, 1024 + u6)
   const uint32_t hi2 = ((u >> 8) & 0x00f000f0u) | 0x64006400u;  // (1024 + 16 u3, 1024 + 16 u7)
-  const uint32_t k1032 = 0x64086408u;  // (1032, 1032)
-  const uint32_t k1_16 = 0x2c002c00u;  // (1/16, 1/16)
-  const uint32_t km72 = 0xd480d480u;   // (-72, -72)
+  const uint32_t k1032 = 0x64086408u;                           // (1032, 1032)
+  const uint32_t k1_16 = 0x2c002c00u;                           // (1/16, 1/16)
+  const uint32_t km72 = 0xd480d480u;                            // (-72, -72)
   out[0] = hsub2_bits(lo, k1032);
   out[1] = hfma2_bits(hi, k1_16, km72);
   out[2] = hsub2_bits(lo2, k1032);

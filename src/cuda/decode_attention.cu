@@ -29,14 +29,16 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kMaxSplits = 128;  // merge weights staged in shared memory
 
-__device__ __forceinline__ uint32_t u4w(const uint4& v, int w) { return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w; }
+__device__ __forceinline__ uint32_t u4w(const uint4& v, int w) {
+  return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
+}
 
 template <int D, int GT, typename T>
 __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) {
-  constexpr int KS = D / 16;      // k-steps of Q K^T
-  constexpr int NKC = D / 32;     // K chunks per token row per lane
-  constexpr int NVC = D / 64;     // V chunks per token row per lane
-  constexpr int NT = D / 8;       // n-tiles of P V
+  constexpr int KS = D / 16;   // k-steps of Q K^T
+  constexpr int NKC = D / 32;  // K chunks per token row per lane
+  constexpr int NVC = D / 64;  // V chunks per token row per lane
+  constexpr int NT = D / 8;    // n-tiles of P V
   constexpr int ROWS = GT / 8;
 
   __shared__ __align__(16) float q_s[GT][D];
@@ -293,7 +295,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
       if (x == 0) pl[row] = l2;
     }
   }
-  if (single) return;
+  if (single || p.n_splits > p.merge_kernel_above) return;  // many splits: merge_kernel does it
   if (!last_cta_done(p.counters + bh, uint32_t(active), &last_flag)) return;
 
   // Last CTA: log-sum-exp merge of the splits. Weights staged in shared memory.
@@ -342,6 +344,86 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
   }
 }
 
+// LSE merge of many splits: one CTA per (head row, KV head, sequence); thread (group q, lane x4)
+// sums the float4 x4 of the splits s = q (mod groups), then the groups are added in shared memory.
+template <int D>
+__global__ void __launch_bounds__(kThreads) merge_kernel(AttentionParams p) {
+  constexpr int kLanes = D / 4, kGroups = kThreads / kLanes;
+  __shared__ float wts[kMaxSplits];
+  __shared__ float red[kThreads];
+  __shared__ float4 part[kGroups][kLanes];
+  pdl_wait();
+  pdl_launch_dependents();
+  const int row = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int H = p.kv.n_head_kv, G = p.group;
+  const size_t bh = size_t(b) * H + h;
+  const int n_pages = p.kv.indptr[b + 1] - p.kv.indptr[b];
+  const int n_list = n_pages <= 0 ? 0 : (p.selected ? p.n_selected[bh] : n_pages);
+  const int active = (n_list + p.pages_per_split - 1) / p.pages_per_split;
+  if (active <= 1) return;  // written by the attention kernel
+  const float* pl = p.partial_lse + bh * p.n_splits * 16 + row;
+  float m = -INFINITY;
+  for (int s = threadIdx.x; s < active; s += kThreads) m = fmaxf(m, pl[size_t(s) * 16]);
+  red[threadIdx.x] = m;
+  __syncthreads();
+  for (int w = kThreads / 2; w > 0; w >>= 1) {
+    if (int(threadIdx.x) < w) red[threadIdx.x] = fmaxf(red[threadIdx.x], red[threadIdx.x + w]);
+    __syncthreads();
+  }
+  const float M = red[0];
+  __syncthreads();
+  float l = 0.0f;
+  for (int s = threadIdx.x; s < active; s += kThreads) {
+    const float lv = pl[size_t(s) * 16];
+    const float wt = lv == -INFINITY ? 0.0f : exp2f(lv - M);
+    wts[s] = wt;
+    l += wt;
+  }
+  red[threadIdx.x] = l;
+  __syncthreads();
+  for (int w = kThreads / 2; w > 0; w >>= 1) {
+    if (int(threadIdx.x) < w) red[threadIdx.x] += red[threadIdx.x + w];
+    __syncthreads();
+  }
+  const float L = red[0];
+  const int q = threadIdx.x / kLanes, x4 = threadIdx.x % kLanes;
+  const float4* po = reinterpret_cast<const float4*>(p.partial_o + (bh * p.n_splits * 16 + row) * D) + x4;
+  float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  constexpr int kBatch = 16;
+  for (int s0 = q; s0 < active; s0 += kGroups * kBatch) {
+    float4 v[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int s = s0 + u * kGroups;
+      v[u] = s < active ? po[size_t(s) * 16 * kLanes] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int s = s0 + u * kGroups;
+      const float wt = s < active ? wts[s] : 0.0f;
+      acc.x += wt * v[u].x;
+      acc.y += wt * v[u].y;
+      acc.z += wt * v[u].z;
+      acc.w += wt * v[u].w;
+    }
+  }
+  part[q][x4] = acc;
+  __syncthreads();
+  if (q == 0) {
+    float4 sum = part[0][x4];
+    for (int g2 = 1; g2 < kGroups; ++g2) {
+      sum.x += part[g2][x4].x;
+      sum.y += part[g2][x4].y;
+      sum.z += part[g2][x4].z;
+      sum.w += part[g2][x4].w;
+    }
+    const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+    reinterpret_cast<float4*>(p.o + (bh * G + row) * D)[x4] =
+        make_float4(sum.x * inv, sum.y * inv, sum.z * inv, sum.w * inv);
+    if (x4 == 0 && p.lse) p.lse[bh * G + row] = L > 0.0f ? (M + log2f(L)) * kLn2 : -INFINITY;
+  }
+}
+
 template <int D, int GT, typename T>
 cudaError_t launch_attention(const AttentionParams& p, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
@@ -353,7 +435,10 @@ cudaError_t launch_attention(const AttentionParams& p, cudaStream_t stream) {
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = p.pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, attention_kernel<D, GT, T>, p);
+  cudaError_t e = cudaLaunchKernelEx(&cfg, attention_kernel<D, GT, T>, p);
+  if (e != cudaSuccess || p.n_splits <= p.merge_kernel_above) return e;
+  cfg.gridDim = dim3(unsigned(p.group), unsigned(p.kv.n_head_kv), unsigned(p.kv.batch));
+  return cudaLaunchKernelEx(&cfg, merge_kernel<D>, p);
 }
 
 template <int D>
@@ -394,9 +479,12 @@ cudaError_t paged_decode_attention(const AttentionParams& p, cudaStream_t stream
       (p.n_splits > 1 && (!p.partial_o || !p.partial_lse || !p.counters)) || (p.selected && !p.n_selected))
     return cudaErrorInvalidValue;
   switch (p.kv.head_dim) {
-    case 64: return dispatch_attention<64>(p, stream);
-    case 128: return dispatch_attention<128>(p, stream);
-    default: return cudaErrorInvalidValue;
+    case 64:
+      return dispatch_attention<64>(p, stream);
+    case 128:
+      return dispatch_attention<128>(p, stream);
+    default:
+      return cudaErrorInvalidValue;
   }
 }
 

@@ -84,13 +84,13 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device) {
   const int max_splits = attention_max_splits();
 
   // Score pass: persistent CTAs (fill the device once) over work items of a multiple of 32 pages
-  // (4 warps x 8 pages), about 4 items per CTA so the dynamic queue balances the load.
+  // (4 warps x 8 pages), about 2 items per CTA (fewer per-item overheads, still balanced).
   const long total_pages = bh * sh.max_pages;
   const int score_resident = p.n_sm * score_ctas_per_sm(sh.head_dim, sh.group);
-  p.score_chunk_pages =
-      std::clamp(int(align_up(size_t(div_up(total_pages, long(score_resident) * 4)), 32)), 32, 1024);
+  p.score_chunk_pages = std::clamp(int(align_up(size_t(div_up(total_pages, long(score_resident) * 2)), 32)), 32, 1024);
   p.score_chunks = div_up(sh.max_pages, p.score_chunk_pages);
-  p.score_grid = int(std::min<long>(score_resident, bh * p.score_chunks));
+  p.score_grid = int(
+      std::min<long>(score_resident / bh * bh > 0 ? score_resident / bh * bh : score_resident, bh * p.score_chunks));
   p.log_mass_stride = int(align_up(size_t(sh.max_pages), 8));
 
   // Attention: one wave of CTAs; at least one page per warp; at most max_splits splits.

@@ -2,16 +2,16 @@
 // one read of each summary. CPU twin: PageSummaryStore::score (and exact_log_mass for the partial
 // recent page, as LocksSelector::select does).
 //
-// Per page and query head g, with q'' = q * 127 / max|q| split into three int8 limbs
-// (q'' = l0 + l1/2^7 + l2/2^14, 22 bits):
+// Per page and query head g, with q'' = q * 127 / max|q| split into two int8 limbs
+// (q'' = l0 + l1/254, |error| <= 1/508, i.e. 16 bits of max|q|):
 //   W[g][k] = bs_k * sum_x q''_g[x] Vcode_k[x]          int8 tensor cores (m16n8k32, exact int32)
 //   a[g]    = ms   * sum_x q''_g[x] mucode[x]           int8 tensor cores, 8 pages per MMA
 //   z[g][i] = a[g] + cs_i * sum_k W[g][k] Ccode[i][k]   f16 tensor cores (m16n8k8, W split hi + lo)
 //   s_hat   = logsumexp_i z[g][i] * scale * max|q| / 127
 // The basis codes are stored offset-binary (code + 8), so `w & 0x0f0f0f0f` and `(w >> 4) & 0x0f0f0f0f`
 // are u8 MMA operands; the offset contributes 8 * sum_x l[x], subtracted exactly in int32.
-// MMA rows are heads: G <= 8 puts limb 0 in rows 0..7 and limb 1 in rows 8..15 (limb 2 in a second
-// MMA); 8 < G <= 16 puts heads in rows and runs one MMA per limb.
+// MMA rows are heads: G <= 8 puts limb 0 in rows 0..7 and limb 1 in rows 8..15 (one MMA per k-step);
+// 8 < G <= 16 puts heads in rows and runs one MMA per limb.
 //
 // K permutation (the d dimension): lane 4g+t owns dims [t*d/4, (t+1)*d/4); k-step kk covers
 // t*d/4 + 8kk + {0,2,4,6} (K slots 4t..4t+3) and + {1,3,5,7} (K slots 16+4t..16+4t+3), which is the
@@ -83,49 +83,48 @@ constexpr int score_smem_bytes() {
 }
 
 template <int D, int GT>
-__global__ void __launch_bounds__(kThreads, GT == 8 ? 3 : 2) score_kernel(ScoreParams p) {
-  constexpr int KS = D / 32;       // int8 k-steps (32 dims each)
-  constexpr int ROWS = GT / 8;     // MMA rows per lane that are real heads (1 or 2)
+__global__ void __launch_bounds__(kThreads, GT == 8 ? 4 : 2) score_kernel(ScoreParams p) {
+  constexpr int KS = D / 32;    // int8 k-steps (32 dims each)
+  constexpr int ROWS = GT / 8;  // MMA rows per lane that are real heads (1 or 2)
   constexpr int REC = int(L::record_bytes(D));
-  constexpr int CPR = REC / 16;    // 16-byte chunks per record
+  constexpr int CPR = REC / 16;  // 16-byte chunks per record
 
   extern __shared__ __align__(16) uint8_t stages[];  // [kWarps][kStages][8][REC]
-  __shared__ float q_s[GT][D];
-  __shared__ float q_mul[GT];                         // 127 / max|q_g|
-  __shared__ int q_sum[GT][3];                        // sum_x limb_l[g][x]
+  // q of the group: for G <= 8 staged in warp 0's second stage (free until the first loop
+  // iteration refills it), which keeps 4 CTAs per SM within shared memory.
+  __shared__ float q_static[GT == 16 ? GT : 1][D];
+  float(*q_s)[D] = GT == 16 ? q_static : reinterpret_cast<float(*)[D]>(stages + 8 * REC);
+  static_assert(GT == 16 || GT * D * 4 <= 8 * REC, "q staging must fit one octet stage");
+  __shared__ float q_mul[GT];   // 127 / max|q_g|
+  __shared__ int q_sum[GT][2];  // sum_x limb_l[g][x]
   __shared__ float ex_logit[GT][16];
   __shared__ float ex_s2[GT];
   __shared__ float warp_m[kWarps][GT], warp_l[kWarps][GT];
   __shared__ int last_flag;
-  __shared__ int sh_item;
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int H = p.kv.n_head_kv, G = p.group;
   const int n_chunks = p.n_chunks;
   const int n_items = p.kv.batch * H * n_chunks;
-  uint32_t* work = p.counters + size_t(p.kv.batch) * H;  // [0]: next item, [1]: CTAs done
 
   pdl_wait();
   pdl_launch_dependents();
 
   // A fragments of q and per-row constants, rebuilt when the (sequence, KV head) changes.
   uint32_t aq[KS][4];                   // GT 8: rows g = limb 0, g+8 = limb 1; GT 16: limb 0 of rows g, g+8
-  uint32_t aq2[KS][4];                  // GT 8: rows g = limb 2, g+8 = 0;      GT 16: limb 1
-  uint32_t aq3[ROWS == 2 ? KS : 1][4];  // GT 16: limb 2
-  int off0[ROWS], off12[ROWS];
+  uint32_t aq2[ROWS == 2 ? KS : 1][4];  // GT 16: limb 1 of rows g, g+8
+  int off0[ROWS], off1[ROWS];
   float kq[ROWS];
   long cur_bh = -1;
 
-  // Persistent CTAs take work items (sequence, KV head, chunk of pages) from a counter; items of
-  // one (sequence, KV head) are consecutive, so q is usually reused.
-  for (;;) {
-    if (threadIdx.x == 0) sh_item = int(atomicAdd(work, 1u));
-    __syncthreads();
-    const int item = sh_item;
-    __syncthreads();
-    if (item >= n_items) break;
-    const size_t bh = size_t(item / n_chunks);
-    const int c = item % n_chunks;
+  // Persistent CTAs walk the work items (sequence, KV head, chunk of pages) round-robin.
+  for (int item = blockIdx.x; item < n_items; item += gridDim.x) {
+    __syncthreads();  // the previous item's shared-memory use is over
+    // Items interleave (sequence, KV head) pairs: with a grid that is a multiple of batch * n_head_kv
+    // a CTA's next item (about `grid` later) is usually the same pair, so q stays in registers.
+    const int n_bh = p.kv.batch * H;
+    const size_t bh = size_t(item % n_bh);
+    const int c = item / n_bh;
     const int b = int(bh / H), h = int(bh % H);
     const int pbeg = p.kv.indptr[b];
     const int n_pages = p.kv.indptr[b + 1] - pbeg;
@@ -150,11 +149,11 @@ __global__ void __launch_bounds__(kThreads, GT == 8 ? 3 : 2) score_kernel(ScoreP
     auto issue = [&](int o, int32_t ids, int stage) {
       if (o >= oct_end) return;
       const uint32_t dst0 = my_stages_s + uint32_t(stage * 8 * REC);
-  #pragma unroll
+#pragma unroll
       for (int pp = 0; pp < 8; ++pp) {
         const int32_t id = __shfl_sync(kFull, ids, pp);
         const uint8_t* src = recs + size_t(max(id, 0)) * REC;
-  #pragma unroll
+#pragma unroll
         for (int ch = lane; ch < CPR; ch += 32) cp_async16(dst0 + uint32_t(pp * REC + ch * 16), src + ch * 16, id >= 0);
       }
     };
@@ -173,31 +172,27 @@ __global__ void __launch_bounds__(kThreads, GT == 8 ? 3 : 2) score_kernel(ScoreP
       for (int r = warp; r < GT; r += kWarps) {
         float amax = 0.0f;
         for (int x = lane; x < D; x += 32) amax = fmaxf(amax, fabsf(q_s[r][x]));
-    #pragma unroll
+#pragma unroll
         for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, off));
         const float mul = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int s0 = 0, s1 = 0, s2 = 0;
+        int s0 = 0, s1 = 0;
         for (int x = lane; x < D; x += 32) {
           const float v = q_s[r][x] * mul;
-          const float l0 = rintf(v), r1 = (v - l0) * 128.0f, l1 = rintf(r1), l2 = rintf((r1 - l1) * 128.0f);
+          const float l0 = rintf(v);
           s0 += int(l0);
-          s1 += int(l1);
-          s2 += int(l2);
+          s1 += int(rintf((v - l0) * 254.0f));
         }
-    #pragma unroll
+#pragma unroll
         for (int off = 16; off > 0; off >>= 1) {
           s0 += __shfl_xor_sync(kFull, s0, off);
           s1 += __shfl_xor_sync(kFull, s1, off);
-          s2 += __shfl_xor_sync(kFull, s2, off);
         }
         if (lane == 0) {
           q_mul[r] = mul;
           q_sum[r][0] = s0;
           q_sum[r][1] = s1;
-          q_sum[r][2] = s2;
         }
       }
-
     }
     // The partial recent page: exact log-mass from its keys (CPU: exact_log_mass), CTA 0 only.
     const bool do_exact = partial && c == 0;
@@ -209,10 +204,10 @@ __global__ void __launch_bounds__(kThreads, GT == 8 ? 3 : 2) score_kernel(ScoreP
         const int i = e / G, r = e % G;
         const uint4* row = reinterpret_cast<const uint4*>(kp + size_t(i) * D);
         float acc = 0.0f;
-  #pragma unroll 4
+#pragma unroll 4
         for (int x8 = 0; x8 < D / 8; ++x8) {
           const uint4 v = __ldg(row + x8);
-  #pragma unroll
+#pragma unroll
           for (int w = 0; w < 4; ++w) {
             const uint32_t u = u4_word(v, w);
             acc = fmaf(q_s[r][x8 * 8 + 2 * w], kv_to_float(uint16_t(u & 0xffffu), bf16), acc);
@@ -239,41 +234,35 @@ __global__ void __launch_bounds__(kThreads, GT == 8 ? 3 : 2) score_kernel(ScoreP
       // A fragments. Limb packs per row r and dims set (A: +{0,2,4,6}, B: +{1,3,5,7}).
       {
         const int base = t * (D / 4);
-        auto limbs = [&](int r, int x, int& l0, int& l1, int& l2) {
-          const float v = q_s[r][x] * q_mul[r];
-          const float f0 = rintf(v), r1 = (v - f0) * 128.0f, f1 = rintf(r1);
-          l0 = int(f0);
-          l1 = int(f1);
-          l2 = int(rintf((r1 - f1) * 128.0f));
-        };
-        auto pack_row = [&](int r, int x0, uint32_t (&p0)[2], uint32_t (&p1)[2], uint32_t (&p2)[2]) {
-          int l[3][8];
-    #pragma unroll
-          for (int j = 0; j < 8; ++j) limbs(r, x0 + j, l[0][j], l[1][j], l[2][j]);
-    #pragma unroll
-          for (int m = 0; m < 3; ++m) {
-            uint32_t(&dst)[2] = m == 0 ? p0 : m == 1 ? p1 : p2;
+        auto pack_row = [&](int r, int x0, uint32_t(&p0)[2], uint32_t(&p1)[2]) {
+          int l[2][8];
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const float v = q_s[r][x0 + j] * q_mul[r];
+            const float f0 = rintf(v);
+            l[0][j] = int(f0);
+            l[1][j] = int(rintf((v - f0) * 254.0f));
+          }
+#pragma unroll
+          for (int m = 0; m < 2; ++m) {
+            uint32_t(&dst)[2] = m == 0 ? p0 : p1;
             dst[0] = pack_s8x4(l[m][0], l[m][2], l[m][4], l[m][6]);
             dst[1] = pack_s8x4(l[m][1], l[m][3], l[m][5], l[m][7]);
           }
         };
-    #pragma unroll
+#pragma unroll
         for (int kk = 0; kk < KS; ++kk) {
           const int x0 = base + 8 * kk;
-          uint32_t r0[3][2];
-          pack_row(g, x0, r0[0], r0[1], r0[2]);
+          uint32_t r0[2][2];
+          pack_row(g, x0, r0[0], r0[1]);
           if constexpr (ROWS == 1) {
             aq[kk][0] = r0[0][0];
             aq[kk][1] = r0[1][0];
             aq[kk][2] = r0[0][1];
             aq[kk][3] = r0[1][1];
-            aq2[kk][0] = r0[2][0];
-            aq2[kk][1] = 0u;
-            aq2[kk][2] = r0[2][1];
-            aq2[kk][3] = 0u;
           } else {
-            uint32_t r1[3][2];
-            pack_row(g + 8, x0, r1[0], r1[1], r1[2]);
+            uint32_t r1[2][2];
+            pack_row(g + 8, x0, r1[0], r1[1]);
             aq[kk][0] = r0[0][0];
             aq[kk][1] = r1[0][0];
             aq[kk][2] = r0[0][1];
@@ -282,33 +271,29 @@ __global__ void __launch_bounds__(kThreads, GT == 8 ? 3 : 2) score_kernel(ScoreP
             aq2[kk][1] = r1[1][0];
             aq2[kk][2] = r0[1][1];
             aq2[kk][3] = r1[1][1];
-            aq3[kk][0] = r0[2][0];
-            aq3[kk][1] = r1[2][0];
-            aq3[kk][2] = r0[2][1];
-            aq3[kk][3] = r1[2][1];
           }
         }
       }
       // Per row: offset corrections (8 * limb sums, in the combined int forms) and the logit factor.
-    #pragma unroll
+#pragma unroll
       for (int r = 0; r < ROWS; ++r) {
         const int row = g + 8 * r;
         off0[r] = 8 * q_sum[row][0];
-        off12[r] = 8 * (q_sum[row][1] * 128 + q_sum[row][2]);
+        off1[r] = 8 * q_sum[row][1];
         kq[r] = q_mul[row] > 0.0f ? p.scale * kLog2e / q_mul[row] : 0.0f;
       }
-
     }
 
     float run_m[ROWS], run_l[ROWS];
-  #pragma unroll
+#pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       run_m[r] = -INFINITY;
       run_l[r] = 0.0f;
     }
     float* lm_row0 = p.log_mass + (bh * G + g) * p.log_mass_stride;
     float* lm_row1 = p.log_mass + (bh * G + (ROWS == 2 ? g + 8 : g)) * p.log_mass_stride;
-    constexpr float k2m14 = 1.0f / 16384.0f;
+    constexpr float kInv254 = 1.0f / 254.0f;
+    __syncthreads();  // q_s (in stage 1) is read by every warp before the first refill
 
     for (int it = 0; o < oct_end; o += kWarps, ++it) {
       const int stage = it & 1;
@@ -323,33 +308,32 @@ __global__ void __launch_bounds__(kThreads, GT == 8 ? 3 : 2) score_kernel(ScoreP
       // a[row][page] = q'' . mucode for the 8 pages (pages are the MMA's columns).
       float cen[ROWS][2];  // pages 2t, 2t+1
       {
-        int acc1[4] = {0, 0, 0, 0}, acc2[4] = {0, 0, 0, 0}, acc3[4] = {0, 0, 0, 0};
+        int acc1[4] = {0, 0, 0, 0}, acc2[4] = {0, 0, 0, 0};
         const uint4* cp = reinterpret_cast<const uint4*>(st + g * REC + L::centroid_offset(D) + t * (D / 4));
-  #pragma unroll
+#pragma unroll
         for (int kk = 0; kk < KS; ++kk) {
           const uint4 v = cp[kk / 2];
           const uint32_t b0 = u4_word(v, (kk % 2) * 2), b1 = u4_word(v, (kk % 2) * 2 + 1);
           mma_s8s8(acc1, aq[kk], b0, b1);
-          mma_s8s8(acc2, aq2[kk], b0, b1);
-          if constexpr (ROWS == 2) mma_s8s8(acc3, aq3[kk], b0, b1);
+          if constexpr (ROWS == 2) mma_s8s8(acc2, aq2[kk], b0, b1);
         }
         if constexpr (ROWS == 1) {
-          cen[0][0] = float(acc1[0]) + float(acc1[2] * 128 + acc2[0]) * k2m14;
-          cen[0][1] = float(acc1[1]) + float(acc1[3] * 128 + acc2[1]) * k2m14;
+          cen[0][0] = fmaf(float(acc1[2]), kInv254, float(acc1[0]));
+          cen[0][1] = fmaf(float(acc1[3]), kInv254, float(acc1[1]));
         } else {
-          cen[0][0] = float(acc1[0]) + float(acc2[0] * 128 + acc3[0]) * k2m14;
-          cen[0][1] = float(acc1[1]) + float(acc2[1] * 128 + acc3[1]) * k2m14;
-          cen[ROWS - 1][0] = float(acc1[2]) + float(acc2[2] * 128 + acc3[2]) * k2m14;
-          cen[ROWS - 1][1] = float(acc1[3]) + float(acc2[3] * 128 + acc3[3]) * k2m14;
+          cen[0][0] = fmaf(float(acc2[0]), kInv254, float(acc1[0]));
+          cen[0][1] = fmaf(float(acc2[1]), kInv254, float(acc1[1]));
+          cen[ROWS - 1][0] = fmaf(float(acc2[2]), kInv254, float(acc1[2]));
+          cen[ROWS - 1][1] = fmaf(float(acc2[3]), kInv254, float(acc1[3]));
         }
       }
 
       float keep[ROWS][2] = {};
-  #pragma unroll
+#pragma unroll
       for (int pi = 0; pi < 8; ++pi) {
         const uint8_t* rec = st + pi * REC;
         // W = q'' x basis codes (rows: heads, columns: basis columns k).
-        int acc1[4] = {0, 0, 0, 0}, acc2[4] = {0, 0, 0, 0}, acc3[4] = {0, 0, 0, 0};
+        int acc1[4] = {0, 0, 0, 0}, acc2[4] = {0, 0, 0, 0};
         uint32_t bw[KS];
         if constexpr (D == 128) {
           const uint4 v = *reinterpret_cast<const uint4*>(rec + L::basis_offset(D) + g * (D / 2) + t * (D / 8));
@@ -362,12 +346,11 @@ __global__ void __launch_bounds__(kThreads, GT == 8 ? 3 : 2) score_kernel(ScoreP
           bw[0] = v.x;
           bw[KS > 1 ? 1 : 0] = v.y;
         }
-  #pragma unroll
+#pragma unroll
         for (int kk = 0; kk < KS; ++kk) {
           const uint32_t lo = bw[kk] & 0x0f0f0f0fu, hi = (bw[kk] >> 4) & 0x0f0f0f0fu;
           mma_s8u8(acc1, aq[kk], lo, hi);
-          mma_s8u8(acc2, aq2[kk], lo, hi);
-          if constexpr (ROWS == 2) mma_s8u8(acc3, aq3[kk], lo, hi);
+          if constexpr (ROWS == 2) mma_s8u8(acc2, aq2[kk], lo, hi);
         }
         const uint4 sc = *reinterpret_cast<const uint4*>(rec + L::scales_offset(D) + t * 16);
         const float bs0 = h2f_lo(sc.z), bs1 = h2f_hi(sc.z), ms = h2f_lo(sc.w);
@@ -376,19 +359,17 @@ __global__ void __launch_bounds__(kThreads, GT == 8 ? 3 : 2) score_kernel(ScoreP
         unpack_int8x4(*reinterpret_cast<const uint32_t*>(rec + L::coef_offset(D) + lane * 4), cb0, cb1);
         float o0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, o1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         if constexpr (ROWS == 1) {
-          const float w0 = (float(acc1[0] - off0[0]) + float(acc1[2] * 128 + acc2[0] - off12[0]) * k2m14) * bs0;
-          const float w1 = (float(acc1[1] - off0[0]) + float(acc1[3] * 128 + acc2[1] - off12[0]) * k2m14) * bs1;
+          const float w0 = fmaf(float(acc1[2] - off1[0]), kInv254, float(acc1[0] - off0[0])) * bs0;
+          const float w1 = fmaf(float(acc1[3] - off1[0]), kInv254, float(acc1[1] - off0[0])) * bs1;
           uint32_t whi, wlo;
           Pack<__half>::split(w0, w1, whi, wlo);
           mma_1688_f16(o0, whi, wlo, cb0);
           mma_1688_f16(o1, whi, wlo, cb1);
         } else {
-          const float w0 = (float(acc1[0] - off0[0]) + float(acc2[0] * 128 + acc3[0] - off12[0]) * k2m14) * bs0;
-          const float w1 = (float(acc1[1] - off0[0]) + float(acc2[1] * 128 + acc3[1] - off12[0]) * k2m14) * bs1;
-          const float w2 =
-              (float(acc1[2] - off0[ROWS - 1]) + float(acc2[2] * 128 + acc3[2] - off12[ROWS - 1]) * k2m14) * bs0;
-          const float w3 =
-              (float(acc1[3] - off0[ROWS - 1]) + float(acc2[3] * 128 + acc3[3] - off12[ROWS - 1]) * k2m14) * bs1;
+          const float w0 = fmaf(float(acc2[0] - off1[0]), kInv254, float(acc1[0] - off0[0])) * bs0;
+          const float w1 = fmaf(float(acc2[1] - off1[0]), kInv254, float(acc1[1] - off0[0])) * bs1;
+          const float w2 = fmaf(float(acc2[2] - off1[ROWS - 1]), kInv254, float(acc1[2] - off0[ROWS - 1])) * bs0;
+          const float w3 = fmaf(float(acc2[3] - off1[ROWS - 1]), kInv254, float(acc1[3] - off0[ROWS - 1])) * bs1;
           uint32_t h0, l0, h1, l1;
           Pack<__half>::split(w0, w1, h0, l0);
           Pack<__half>::split(w2, w3, h1, l1);
@@ -398,7 +379,7 @@ __global__ void __launch_bounds__(kThreads, GT == 8 ? 3 : 2) score_kernel(ScoreP
           mma_1688_f16(o1, l0, l1, cb1);
         }
         const int src = (lane & ~3) | (pi >> 1);
-  #pragma unroll
+#pragma unroll
         for (int r = 0; r < ROWS; ++r) {
           const float a = __shfl_sync(kFull, (pi & 1) ? cen[r][1] : cen[r][0], src);
           float z[4];
@@ -413,29 +394,30 @@ __global__ void __launch_bounds__(kThreads, GT == 8 ? 3 : 2) score_kernel(ScoreP
             z[2] = o1[2 * r];
             z[3] = o1[2 * r + 1];
           }
-          const float base = a * ms * kq[r];
+          // y_i = a ms + cs_i o_i; log2-domain logits are kq * y_i (kq > 0, so max commutes).
+          const float base = a * ms;
           float mx = -INFINITY;
-  #pragma unroll
+#pragma unroll
           for (int i = 0; i < 4; ++i) {
-            z[i] = fmaf(cs[i] * kq[r], z[i], base);
+            z[i] = fmaf(cs[i], z[i], base);
             mx = fmaxf(mx, z[i]);
           }
-          mx = quad_max(mx);
+          mx = quad_max(mx) * kq[r];
           float sum = 0.0f;
-  #pragma unroll
-          for (int i = 0; i < 4; ++i) sum += ex2(z[i] - mx);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) sum += ex2(fmaf(kq[r], z[i], -mx));
           sum = quad_sum(sum);
           const float s2 = mx + __log2f(sum);
           if ((pi >> 1) == t) keep[r][pi & 1] = s2;
         }
       }
       __syncwarp();  // this stage is refilled two octets later
-      // Lane t owns pages p0 + 2t, p0 + 2t + 1.
-  #pragma unroll
+                     // Lane t owns pages p0 + 2t, p0 + 2t + 1.
+#pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int pos = p0 + 2 * t + e;
         if (pos < n_scored) {
-  #pragma unroll
+#pragma unroll
           for (int r = 0; r < ROWS; ++r) {
             const int row = g + 8 * r;
             if (row < G) {
@@ -449,10 +431,10 @@ __global__ void __launch_bounds__(kThreads, GT == 8 ? 3 : 2) score_kernel(ScoreP
     cp_async_wait<0>();
 
     // Chunk statistics: quad -> warp -> CTA, plus the exact page in CTA 0.
-  #pragma unroll
+#pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       float m = run_m[r], l = run_l[r];
-  #pragma unroll
+#pragma unroll
       for (int o = 1; o <= 2; o <<= 1) {
         const float m2 = __shfl_xor_sync(kFull, m, o), l2 = __shfl_xor_sync(kFull, l, o);
         lse2_merge(m, l, m2, l2);
@@ -480,7 +462,7 @@ __global__ void __launch_bounds__(kThreads, GT == 8 ? 3 : 2) score_kernel(ScoreP
         const float2 v = __ldcg(cs2 + size_t(cc) * 16 + r);
         lse2_merge(m, l, v.x, v.y);
       }
-  #pragma unroll
+#pragma unroll
       for (int o = 16; o > 0; o >>= 1) {
         const float m2 = __shfl_xor_sync(kFull, m, o), l2 = __shfl_xor_sync(kFull, l, o);
         lse2_merge(m, l, m2, l2);
@@ -488,29 +470,33 @@ __global__ void __launch_bounds__(kThreads, GT == 8 ? 3 : 2) score_kernel(ScoreP
       if (lane == 0) p.lse_total[bh * G + r] = m == -INFINITY ? -INFINITY : (m + log2f(l)) * kLn2;
     }
   }
+}
 
-  // Leave the work counter at zero for the next launch (graph replay).
-  if (last_cta_done(work + 1, gridDim.x, &last_flag) && threadIdx.x == 0) atomicExch(work, 0u);
+// One-time setup (outside any capture): raise the dynamic shared-memory limit (before any
+// occupancy query, which otherwise reports 0 for > 48 KB) and count the resident CTAs.
+template <int D, int GT>
+int score_resident_ctas(int* per_sm_out = nullptr) {
+  static int per_sm = -1, n_sm = 0;
+  if (per_sm < 0) {
+    int dev = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev);
+    int n = 0;
+    if (cudaFuncSetAttribute(score_kernel<D, GT>, cudaFuncAttributeMaxDynamicSharedMemorySize, score_smem_bytes<D>()) !=
+            cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, score_kernel<D, GT>, kThreads, score_smem_bytes<D>()) !=
+            cudaSuccess)
+      cudaGetLastError();
+    per_sm = std::max(n, 1);
+  }
+  if (per_sm_out) *per_sm_out = per_sm;
+  return std::max(1, n_sm * per_sm);
 }
 
 template <int D, int GT>
 cudaError_t launch_score(const ScoreParams& p, cudaStream_t stream) {
-  static bool attr_set = false;  // first call happens in make_decode_plan / tests, outside capture
-  if (!attr_set) {
-    const cudaError_t e = cudaFuncSetAttribute(score_kernel<D, GT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               score_smem_bytes<D>());
-    if (e != cudaSuccess) return e;
-    attr_set = true;
-  }
+  const int resident = score_resident_ctas<D, GT>();
   cudaLaunchConfig_t cfg = {};
-  static int resident = 0;  // CTAs per device (first call outside any capture)
-  if (resident == 0) {
-    int dev = 0, n_sm = 0, per_sm = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev);
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, score_kernel<D, GT>, kThreads, score_smem_bytes<D>());
-    resident = std::max(1, n_sm * std::max(per_sm, 1));
-  }
   const long items = long(p.kv.batch) * p.kv.n_head_kv * p.n_chunks;
   const int grid = int(std::min<long>(items, p.grid > 0 ? p.grid : resident));
   cfg.gridDim = dim3(unsigned(std::max(grid, 1)));
@@ -528,30 +514,29 @@ cudaError_t launch_score(const ScoreParams& p, cudaStream_t stream) {
 }  // namespace
 
 int score_ctas_per_sm(int head_dim, int group) {
-  int n = 0;
+  int n = 1;
   const bool wide = group > 8;
-  cudaError_t e;
   if (head_dim == 64)
-    e = wide ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, score_kernel<64, 16>, kThreads, score_smem_bytes<64>())
-             : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, score_kernel<64, 8>, kThreads, score_smem_bytes<64>());
+    wide ? score_resident_ctas<64, 16>(&n) : score_resident_ctas<64, 8>(&n);
   else
-    e = wide ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, score_kernel<128, 16>, kThreads, score_smem_bytes<128>())
-             : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, score_kernel<128, 8>, kThreads, score_smem_bytes<128>());
-  if (e != cudaSuccess) cudaGetLastError();
-  return std::max(n, 1);
+    wide ? score_resident_ctas<128, 16>(&n) : score_resident_ctas<128, 8>(&n);
+  return n;
 }
 
 cudaError_t score_pages(const ScoreParams& p, cudaStream_t stream) {
   if (p.kv.batch <= 0 || p.kv.n_head_kv <= 0) return cudaSuccess;
   if (p.group < 1 || p.group > kMaxGroup || p.chunk_pages <= 0 || p.chunk_pages % 32 != 0 || p.n_chunks <= 0 ||
-      p.log_mass_stride <= 0 || !p.q || !p.summaries || !p.log_mass || !p.lse_total || !p.chunk_stats ||
-      !p.counters || !p.kv.indptr || !p.kv.indices || !p.kv.last_page_len || !p.kv.k)
+      p.log_mass_stride <= 0 || !p.q || !p.summaries || !p.log_mass || !p.lse_total || !p.chunk_stats || !p.counters ||
+      !p.kv.indptr || !p.kv.indices || !p.kv.last_page_len || !p.kv.k)
     return cudaErrorInvalidValue;
   const bool wide = p.group > 8;
   switch (p.kv.head_dim) {
-    case 64: return wide ? launch_score<64, 16>(p, stream) : launch_score<64, 8>(p, stream);
-    case 128: return wide ? launch_score<128, 16>(p, stream) : launch_score<128, 8>(p, stream);
-    default: return cudaErrorInvalidValue;
+    case 64:
+      return wide ? launch_score<64, 16>(p, stream) : launch_score<64, 8>(p, stream);
+    case 128:
+      return wide ? launch_score<128, 16>(p, stream) : launch_score<128, 8>(p, stream);
+    default:
+      return cudaErrorInvalidValue;
   }
 }
 

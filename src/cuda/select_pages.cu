@@ -5,9 +5,11 @@
 // Exact top-k without sorting 65536 floats per group: shares are >= 0, so their float bits order
 // like unsigned integers. Kernel 1 (many CTAs) writes each candidate's share bits and a 2048-bin
 // histogram of bits 30..20 (exponent + 3 mantissa bits). Kernel 2 (one CTA of 1024 threads per
-// GQA group) finds the threshold bin from the histogram, marks every page above it, and resolves
-// the threshold bin exactly with a radix select over the 64-bit key (share bits << 32 | ~index), so
-// equal shares go to the lower index; the result is read out of a bitmap in ascending order.
+// GQA group) finds the threshold bin from the histogram, marks every page above it, builds a
+// second 4096-bin histogram (bits 19..8) of the threshold bin while collecting its pages, narrows
+// again, and resolves the last few exactly by rank of the 64-bit key (share bits << 32 | ~index), so
+// equal shares go to the lower index (a radix select over the same key when many remain); the
+// result is read out of a bitmap in ascending order.
 #include <cub/block/block_scan.cuh>
 
 #include "common.cuh"
@@ -22,36 +24,57 @@ constexpr int kShareThreads = 256;
 constexpr int kSelectThreads = 1024;
 constexpr int kCandCap = 4096;
 
+constexpr int kSharePages = 4;  // consecutive pages per thread (16-byte loads)
+
 __global__ void __launch_bounds__(kShareThreads) share_hist_kernel(SelectParams p) {
   __shared__ uint32_t hist[kHistBins];
-  __shared__ float lse[kMaxGroup];
+  __shared__ float lse2[kMaxGroup];
   pdl_wait();
   pdl_launch_dependents();
   const int b = blockIdx.z, h = blockIdx.y;
   const size_t bh = size_t(b) * p.n_head_kv + h;
   const int n = p.indptr[b + 1] - p.indptr[b];
-  const int j0 = blockIdx.x * kShareThreads;
+  const int j0 = blockIdx.x * kShareThreads * kSharePages;
   if (j0 >= n) return;
   const int k = max(p.budget_pages, 2);
   const bool topk = n > k;
   for (int i = threadIdx.x; i < kHistBins; i += kShareThreads) hist[i] = 0;
-  if (threadIdx.x < p.group) lse[threadIdx.x] = p.lse_total[bh * p.group + threadIdx.x];
+  if (threadIdx.x < p.group) lse2[threadIdx.x] = p.lse_total[bh * p.group + threadIdx.x] * kLog2e;
   __syncthreads();
-  const int j = j0 + threadIdx.x;
+  const int j = j0 + threadIdx.x * kSharePages;  // pages j .. j+3 (the stride is a multiple of 8)
   if (j < n) {
-    // Eq. 5: m_bar_j = (1/G) sum_g exp(s_hat_j(q_g) - logsumexp_j' s_hat_j'(q_g)).
-    float acc = 0.0f;
-    for (int g = 0; g < p.group; ++g) {
-      const float lt = lse[g];
-      if (lt != -INFINITY) acc += expf(p.log_mass[(bh * p.group + g) * p.log_mass_stride + j] - lt);
+    // Eq. 5: m_bar_j = (1/G) sum_g exp(s_hat_j(q_g) - logsumexp_j' s_hat_j'(q_g)); all G loads first.
+    float4 lm[kMaxGroup];
+    const float* col = p.log_mass + bh * p.group * p.log_mass_stride + j;
+#pragma unroll
+    for (int g = 0; g < kMaxGroup; ++g)
+      lm[g] = g < p.group ? __ldcg(reinterpret_cast<const float4*>(col + size_t(g) * p.log_mass_stride))
+                          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float acc[kSharePages] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int g = 0; g < kMaxGroup; ++g) {
+      const float lt = g < p.group ? lse2[g] : -INFINITY;
+      if (lt != -INFINITY) {
+        acc[0] += exp2f(fmaf(lm[g].x, kLog2e, -lt));
+        acc[1] += exp2f(fmaf(lm[g].y, kLog2e, -lt));
+        acc[2] += exp2f(fmaf(lm[g].z, kLog2e, -lt));
+        acc[3] += exp2f(fmaf(lm[g].w, kLog2e, -lt));
+      }
     }
-    float share = acc / float(p.group);
-    if (!(share >= 0.0f)) share = 0.0f;  // NaN guard: never selected ahead of a real page
-    if (p.shares) p.shares[bh * p.log_mass_stride + j] = share;
-    if (topk && j >= 1 && j <= n - 2) {
-      const uint32_t key = __float_as_uint(share);
-      p.keys[bh * p.log_mass_stride + j] = key;
-      atomicAdd(&hist[key >> 20], 1u);
+    const float inv_g = 1.0f / float(p.group);
+#pragma unroll
+    for (int e = 0; e < kSharePages; ++e) {
+      const int jj = j + e;
+      if (jj < n) {
+        float share = acc[e] * inv_g;
+        if (!(share >= 0.0f)) share = 0.0f;  // NaN guard: never selected ahead of a real page
+        if (p.shares) p.shares[bh * p.log_mass_stride + jj] = share;
+        if (topk && jj >= 1 && jj <= n - 2) {
+          const uint32_t key = __float_as_uint(share);
+          p.keys[bh * p.log_mass_stride + jj] = key;
+          atomicAdd(&hist[key >> 20], 1u);
+        }
+      }
     }
   }
   if (!topk) return;
@@ -92,6 +115,33 @@ __device__ void find_threshold(const uint32_t* bins, int per, uint32_t need, int
   }
 }
 
+// Block-wide version for large histograms: every thread sums `per` bins from the top
+// (thread 0 owns the highest bins), a block scan gives the counts above, and the thread whose
+// range crosses `need` walks its bins. Results in *out_bin / *out_above (all threads after a sync).
+template <int kThreads>
+__device__ void block_find_threshold(const uint32_t* bins, int n_bins, uint32_t need, int* out_bin, uint32_t* out_above,
+                                     typename cub::BlockScan<uint32_t, kThreads>::TempStorage& tmp) {
+  const int per = n_bins / kThreads;
+  const int hi = n_bins - int(threadIdx.x) * per;  // this thread owns bins [hi - per, hi)
+  uint32_t local = 0;
+  for (int e = 1; e <= per; ++e) local += bins[hi - e];
+  uint32_t before = 0;  // bins above this thread's range
+  cub::BlockScan<uint32_t, kThreads>(tmp).ExclusiveSum(local, before);
+  if (before < need && before + local >= need) {
+    uint32_t above = before;
+    for (int e = 1; e <= per; ++e) {
+      const uint32_t c = bins[hi - e];
+      if (above + c >= need) {
+        *out_bin = hi - e;
+        *out_above = above;
+        break;
+      }
+      above += c;
+    }
+  }
+  __syncthreads();
+}
+
 // The need-th largest (1-based) of src(i), i < count, by 8-bit radix passes from the top.
 template <class Src>
 __device__ unsigned long long radix_select_desc(Src src, int count, uint32_t need, uint32_t* rhist, int* sh_bin,
@@ -115,16 +165,22 @@ __device__ unsigned long long radix_select_desc(Src src, int count, uint32_t nee
   return prefix;
 }
 
+constexpr int kSubBins = 4096;  // second-level histogram over share bits 19..8
+
 __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectParams p) {
-  extern __shared__ uint32_t bitmap[];  // [ceil(log_mass_stride / 32)]
-  __shared__ uint32_t hist[kHistBins];
-  __shared__ unsigned long long cand[kCandCap];
+  // Dynamic: hist [kSubBins] (the first kHistBins hold the main histogram, then the second level),
+  // cand [kCandCap] (u64), bitmap [ceil(log_mass_stride / 32)].
+  extern __shared__ __align__(16) uint32_t dyn[];
+  uint32_t* hist = dyn;
+  unsigned long long* cand = reinterpret_cast<unsigned long long*>(dyn + kSubBins);
+  uint32_t* bitmap = dyn + kSubBins + 2 * kCandCap;
   __shared__ uint32_t rhist[256];
   __shared__ int sh_bin;
   __shared__ uint32_t sh_above;
   __shared__ int sh_ncand;
   using Scan = cub::BlockScan<int, kSelectThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
+  __shared__ typename cub::BlockScan<uint32_t, kSelectThreads>::TempStorage uscan_tmp;
 
   pdl_wait();
   pdl_launch_dependents();
@@ -148,10 +204,19 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectParams p) 
   if (threadIdx.x == 0) sh_ncand = 0;
   __syncthreads();
   for (int i = threadIdx.x; i < kHistBins; i += kSelectThreads) gh[i] = 0;  // clean for the next step
-  if (threadIdx.x < 32) find_threshold(hist, kHistBins / 32, need, &sh_bin, &sh_above);
-  __syncthreads();
+  if (need == 0) {                                                          // k == 2: the sink and the recent page only
+    if (threadIdx.x == 0) {
+      out[0] = 0;
+      out[1] = n - 1;
+      p.n_selected[bh] = 2;
+    }
+    return;
+  }
+  block_find_threshold<kSelectThreads>(hist, kHistBins, need, &sh_bin, &sh_above, uscan_tmp);
   const uint32_t tstar = uint32_t(sh_bin);
   const uint32_t need2 = need - sh_above;  // >= 1 pages still to take from the threshold bin
+  for (int i = threadIdx.x; i < kSubBins; i += kSelectThreads) hist[i] = 0;
+  __syncthreads();
 
   // Pages above the threshold bin are in; the threshold bin's pages are candidates. Keys are read
   // 4 at a time with 4 loads in flight per thread (positions 0, n-1 and >= n are skipped).
@@ -178,9 +243,9 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectParams p) 
           if (bin > tstar) {
             atomicOr(&bitmap[j >> 5], 1u << (j & 31));
           } else if (bin == tstar) {
+            atomicAdd(&hist[(key >> 8) & (kSubBins - 1)], 1u);
             const int pos = atomicAdd(&sh_ncand, 1);
-            if (pos < kCandCap)
-              cand[pos] = (static_cast<unsigned long long>(key) << 32) | (0xffffffffu - uint32_t(j));
+            if (pos < kCandCap) cand[pos] = (static_cast<unsigned long long>(key) << 32) | (0xffffffffu - uint32_t(j));
           }
         }
       }
@@ -188,19 +253,32 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectParams p) 
   }
   __syncthreads();
   const int n_cand = sh_ncand;
-  if (n_cand <= kCandCap) {
-    if (n_cand <= 256 && uint32_t(n_cand) > need2) {
-      // Few candidates: a candidate is in when fewer than need2 others beat it (keys are distinct).
-      if (threadIdx.x < n_cand) {
-        const unsigned long long v = cand[threadIdx.x];
+  // Second level: the sub-bin t2 of bits 19..8 inside the threshold bin.
+  block_find_threshold<kSelectThreads>(hist, kSubBins, need2, &sh_bin, &sh_above, uscan_tmp);
+  const uint32_t t2 = uint32_t(sh_bin);
+  const uint32_t need3 = need2 - sh_above;  // >= 1 to take from sub-bin t2
+  if (n_cand <= kSelectThreads) {
+    // Candidates above sub-bin t2 are in; inside t2 a candidate is in when fewer than need3 others
+    // of t2 beat it (the 64-bit keys are distinct).
+    if (threadIdx.x < n_cand) {
+      const unsigned long long v = cand[threadIdx.x];
+      const uint32_t sub = uint32_t(v >> 40) & (kSubBins - 1);
+      bool take = sub > t2;
+      if (sub == t2) {
         uint32_t rank = 0;
-        for (int i = 0; i < n_cand; ++i) rank += cand[i] > v;
-        if (rank < need2) {
-          const uint32_t j = 0xffffffffu - uint32_t(v & 0xffffffffu);
-          atomicOr(&bitmap[j >> 5], 1u << (j & 31));
+        for (int i = 0; i < n_cand; ++i) {
+          const unsigned long long u = cand[i];
+          rank += (uint32_t(u >> 40) & (kSubBins - 1)) == t2 && u > v;
         }
+        take = rank < need3;
       }
-    } else {
+      if (take) {
+        const uint32_t j = 0xffffffffu - uint32_t(v & 0xffffffffu);
+        atomicOr(&bitmap[j >> 5], 1u << (j & 31));
+      }
+    }
+  } else if (n_cand <= kCandCap) {
+    {
       unsigned long long thr = 0;  // take every candidate >= thr
       if (uint32_t(n_cand) > need2)
         thr = radix_select_desc([&](int i) { return cand[i]; }, n_cand, need2, rhist, &sh_bin, &sh_above);
@@ -229,8 +307,8 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectParams p) 
     }
   }
   if (threadIdx.x == 0) {
-    atomicOr(&bitmap[0], 1u);                                // sink page
-    atomicOr(&bitmap[(n - 1) >> 5], 1u << ((n - 1) & 31));   // recent page
+    atomicOr(&bitmap[0], 1u);                               // sink page
+    atomicOr(&bitmap[(n - 1) >> 5], 1u << ((n - 1) & 31));  // recent page
   }
   __syncthreads();
 
@@ -279,24 +357,26 @@ cudaError_t launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, bool pdl, 
 
 }  // namespace
 
-size_t select_dynamic_smem(int log_mass_stride) { return sizeof(uint32_t) * size_t((log_mass_stride + 31) / 32); }
+size_t select_dynamic_smem(int log_mass_stride) {
+  return sizeof(uint32_t) * (kSubBins + 2 * size_t(kCandCap) + size_t((log_mass_stride + 31) / 32));
+}
 
 cudaError_t prepare_select(int log_mass_stride) { return set_select_smem(select_dynamic_smem(log_mass_stride)); }
 
 cudaError_t select_pages(const SelectParams& p, cudaStream_t stream) {
   if (p.batch <= 0 || p.n_head_kv <= 0) return cudaSuccess;
-  if (p.group < 1 || p.group > kMaxGroup || p.budget_pages < 2 || p.log_mass_stride <= 0 || !p.indptr ||
-      !p.log_mass || !p.lse_total || !p.keys || !p.hist || !p.selected || !p.n_selected)
+  if (p.group < 1 || p.group > kMaxGroup || p.budget_pages < 2 || p.log_mass_stride <= 0 || !p.indptr || !p.log_mass ||
+      !p.lse_total || !p.keys || !p.hist || !p.selected || !p.n_selected)
     return cudaErrorInvalidValue;
   const size_t dyn = select_dynamic_smem(p.log_mass_stride);
   cudaError_t e = set_select_smem(dyn);
   if (e != cudaSuccess) return e;
-  const dim3 g1(unsigned((p.log_mass_stride + kShareThreads - 1) / kShareThreads), unsigned(p.n_head_kv),
-                unsigned(p.batch));
+  const int per_cta = kShareThreads * kSharePages;
+  const dim3 g1(unsigned((p.log_mass_stride + per_cta - 1) / per_cta), unsigned(p.n_head_kv), unsigned(p.batch));
   e = launch(share_hist_kernel, g1, dim3(kShareThreads), 0, p.pdl, stream, p);
   if (e != cudaSuccess) return e;
-  return launch(select_kernel, dim3(unsigned(p.n_head_kv), unsigned(p.batch)), dim3(kSelectThreads), dyn, p.pdl,
-                stream, p);
+  return launch(select_kernel, dim3(unsigned(p.n_head_kv), unsigned(p.batch)), dim3(kSelectThreads), dyn, p.pdl, stream,
+                p);
 }
 
 }  // namespace locks::cuda

@@ -9,23 +9,23 @@
 namespace locks::cuda {
 
 struct BenchShape {
-  std::string name;        // e.g. "llama3.1-8b"
+  std::string name;  // e.g. "llama3.1-8b"
   int n_head_kv = 8;
-  int group = 4;           // query heads per KV head
+  int group = 4;  // query heads per KV head
   int head_dim = 128;
   std::vector<int> contexts;  // tokens per sequence
 };
 
 struct BenchOptions {
-  std::vector<BenchShape> shapes;   // empty: the issue's shapes (Llama-3.1-8B, GLM-4-9B-1M x2)
+  std::vector<BenchShape> shapes;  // empty: the issue's shapes (Llama-3.1-8B, GLM-4-9B-1M x2)
   std::vector<int> batches = {1, 2, 4, 8};
-  int budget_tokens = 2048;          // LOCKS budget b (multiple of 16)
-  int runs = 30;                     // timed runs per point (median reported)
+  int budget_tokens = 2048;  // LOCKS budget b (multiple of 16)
+  int runs = 30;             // timed runs per point (median reported)
   int warmup = 5;
-  bool bf16 = true;                  // KV dtype (bf16 like the torch SDPA comparison; else f16)
-  bool pdl = true;                   // programmatic dependent launch between the step's kernels
-  std::string csv;                   // optional CSV output path
-  double max_gib = 100.0;            // skip points whose KV cache exceeds this
+  bool bf16 = true;        // KV dtype (bf16 like the torch SDPA comparison; else f16)
+  bool pdl = true;         // programmatic dependent launch between the step's kernels
+  std::string csv;         // optional CSV output path
+  double max_gib = 100.0;  // skip points whose KV cache exceeds this
 };
 
 /// The default shapes of issue 3.

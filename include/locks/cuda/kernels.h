@@ -34,10 +34,10 @@
 
 namespace locks::cuda {
 
-constexpr int kPageSize = 16;     // B
-constexpr int kSummaryRank = 8;   // r
-constexpr int kMaxGroup = 16;     // G
-constexpr int kHistBins = 2048;   // top-k histogram over share bits 30..20
+constexpr int kPageSize = 16;    // B
+constexpr int kSummaryRank = 8;  // r
+constexpr int kMaxGroup = 16;    // G
+constexpr int kHistBins = 2048;  // top-k histogram over share bits 30..20
 
 enum class KvType : int { kF16 = 0, kBF16 = 1 };
 
@@ -46,8 +46,8 @@ size_t summary_record_bytes(int head_dim);
 
 /// One layer's paged KV cache on the device with its CSR page table.
 struct PagedKvView {
-  const void* k = nullptr;                 // [n_pages_pool][n_head_kv][16][head_dim]
-  const void* v = nullptr;                 // same
+  const void* k = nullptr;  // [n_pages_pool][n_head_kv][16][head_dim]
+  const void* v = nullptr;  // same
   KvType dtype = KvType::kF16;
   int n_head_kv = 0;
   int head_dim = 0;                        // 64 or 128
@@ -64,15 +64,15 @@ struct PagedKvView {
 /// Launch contract: grid = ceil(n_pages * n_head_kv / 4) CTAs of 128 threads, ~13 KB (d 128) shared
 /// memory per warp; reads 16 * head_dim * 2 bytes of K per item, writes one record + one tail.
 struct SummaryBuildParams {
-  const void* k = nullptr;          // K pool of the layer (see PagedKvView)
+  const void* k = nullptr;  // K pool of the layer (see PagedKvView)
   KvType dtype = KvType::kF16;
   int n_head_kv = 0;
   int head_dim = 0;
-  const int32_t* pages = nullptr;   // [n_pages] page ids to summarise (full pages)
+  const int32_t* pages = nullptr;  // [n_pages] page ids to summarise (full pages)
   int n_pages = 0;
   int n_pages_pool = 0;
-  uint8_t* records = nullptr;       // [n_head_kv][n_pages_pool][record_bytes]
-  float* tails = nullptr;           // [n_head_kv][n_pages_pool], nullable
+  uint8_t* records = nullptr;  // [n_head_kv][n_pages_pool][record_bytes]
+  float* tails = nullptr;      // [n_head_kv][n_pages_pool], nullable
 };
 cudaError_t summary_build(const SummaryBuildParams& p, cudaStream_t stream);
 
@@ -83,27 +83,27 @@ cudaError_t summary_build(const SummaryBuildParams& p, cudaStream_t stream);
 /// selector does. Also produces the per-head normaliser of the shares (Eq. 5):
 /// lse_total[b][h][g] = logsumexp_j log_mass[b][h][g][j].
 /// Launch contract: `grid` persistent CTAs of 128 threads (about 53 KB of shared memory at d 128)
-/// take work items (b, h, chunk c) from a counter; an item scores positions [c * chunk_pages,
+/// walk the work items (b, h, chunk c) round-robin; an item scores positions [c * chunk_pages,
 /// (c + 1) * chunk_pages), each warp 8 pages at a time (int8 tensor cores: Q x basis, Q x centroid;
 /// f16: W x coefficients) with the next 8 records in flight (cp.async). Each item writes its chunk's
-/// (max, sum) and the last item of (b, h) merges them. counters has batch * n_head_kv + 2 entries,
-/// zero before the first launch and left zero afterwards.
+/// (max, sum) and the last item of (b, h) merges them. counters has batch * n_head_kv + 2 entries
+/// (the last two reserved), zero before the first launch and left zero afterwards.
 struct ScoreParams {
   const float* q = nullptr;            // [batch][n_head_kv * group][head_dim]
   PagedKvView kv;                      // page table; K read only for partial last pages
   const uint8_t* summaries = nullptr;  // records of this layer
   int n_pages_pool = 0;
-  int group = 1;                       // G, 1..16
-  float scale = 0.0f;                  // softmax scale, usually 1/sqrt(head_dim)
-  int chunk_pages = 0;                 // multiple of 32
-  int n_chunks = 0;                    // >= ceil(max_b n_pages_b / chunk_pages)
-  float* log_mass = nullptr;           // out [batch][n_head_kv][group][log_mass_stride]
-  int log_mass_stride = 0;             // >= max_b n_pages_b, multiple of 8
-  float* lse_total = nullptr;          // out [batch][n_head_kv][group]
-  float* chunk_stats = nullptr;        // workspace [batch][n_head_kv][n_chunks][16][2]
-  uint32_t* counters = nullptr;        // workspace [batch * n_head_kv + 2], zero-initialised
-  int grid = 0;                        // persistent CTAs; 0: enough to fill the device
-  bool pdl = false;                    // launch with programmatic dependent launch
+  int group = 1;                 // G, 1..16
+  float scale = 0.0f;            // softmax scale, usually 1/sqrt(head_dim)
+  int chunk_pages = 0;           // multiple of 32
+  int n_chunks = 0;              // >= ceil(max_b n_pages_b / chunk_pages)
+  float* log_mass = nullptr;     // out [batch][n_head_kv][group][log_mass_stride]
+  int log_mass_stride = 0;       // >= max_b n_pages_b, multiple of 8
+  float* lse_total = nullptr;    // out [batch][n_head_kv][group]
+  float* chunk_stats = nullptr;  // workspace [batch][n_head_kv][n_chunks][16][2]
+  uint32_t* counters = nullptr;  // workspace [batch * n_head_kv + 2], zero-initialised
+  int grid = 0;                  // persistent CTAs; 0: enough to fill the device
+  bool pdl = false;              // launch with programmatic dependent launch
 };
 /// Counters a ScoreParams needs (batch * n_head_kv + 2).
 inline size_t score_counters(int batch, int n_head_kv) { return size_t(batch) * n_head_kv + 2; }
@@ -121,16 +121,16 @@ struct SelectParams {
   int batch = 0;
   int n_head_kv = 0;
   int group = 1;
-  const int32_t* indptr = nullptr;      // [batch + 1] (n_pages_b)
-  const float* log_mass = nullptr;      // [batch][n_head_kv][group][log_mass_stride]
+  const int32_t* indptr = nullptr;  // [batch + 1] (n_pages_b)
+  const float* log_mass = nullptr;  // [batch][n_head_kv][group][log_mass_stride]
   int log_mass_stride = 0;
-  const float* lse_total = nullptr;     // [batch][n_head_kv][group]
-  int budget_pages = 2;                 // k >= 2
-  uint32_t* keys = nullptr;             // workspace [batch][n_head_kv][log_mass_stride]
-  uint32_t* hist = nullptr;             // workspace [batch][n_head_kv][kHistBins], zero-initialised
-  int32_t* selected = nullptr;          // out [batch][n_head_kv][budget_pages] page positions
-  int32_t* n_selected = nullptr;        // out [batch][n_head_kv] = min(k, n_pages_b)
-  float* shares = nullptr;              // optional out [batch][n_head_kv][log_mass_stride]
+  const float* lse_total = nullptr;  // [batch][n_head_kv][group]
+  int budget_pages = 2;              // k >= 2
+  uint32_t* keys = nullptr;          // workspace [batch][n_head_kv][log_mass_stride]
+  uint32_t* hist = nullptr;          // workspace [batch][n_head_kv][kHistBins], zero-initialised
+  int32_t* selected = nullptr;       // out [batch][n_head_kv][budget_pages] page positions
+  int32_t* n_selected = nullptr;     // out [batch][n_head_kv] = min(k, n_pages_b)
+  float* shares = nullptr;           // optional out [batch][n_head_kv][log_mass_stride]
   bool pdl = false;
 };
 cudaError_t select_pages(const SelectParams& p, cudaStream_t stream);
@@ -140,31 +140,35 @@ cudaError_t select_pages(const SelectParams& p, cudaStream_t stream);
 /// select_pages writes it; dense: every page when `selected` is null). One CTA per (split, KV head,
 /// sequence) handles the whole group (G query heads as the rows of m16n8k16 MMAs, K and V read once
 /// for the group, f32 accumulation); splits are merged by log-sum-exp in the last CTA of each
-/// (sequence, KV head). The partial last page is masked to last_page_len tokens. An empty page list
-/// gives o = 0 and lse = -inf.
+/// (sequence, KV head), or by a merge kernel when there are many splits. The partial last page is
+/// masked to last_page_len tokens. An empty page list gives o = 0 and lse = -inf.
 /// Launch contract: grid (n_splits, n_head_kv, batch) x 128 threads; split s handles list entries
 /// [s * pages_per_split, (s + 1) * pages_per_split), n_splits >= ceil(max list length /
 /// pages_per_split). counters must be zero before the first launch; left zero afterwards.
 struct AttentionParams {
-  const float* q = nullptr;            // [batch][n_head_kv * group][head_dim]
+  const float* q = nullptr;  // [batch][n_head_kv * group][head_dim]
   PagedKvView kv;
   int group = 1;
   float scale = 0.0f;
-  const int32_t* selected = nullptr;   // [batch][n_head_kv][selected_stride] positions, or null
-  const int32_t* n_selected = nullptr; // [batch][n_head_kv]
+  const int32_t* selected = nullptr;    // [batch][n_head_kv][selected_stride] positions, or null
+  const int32_t* n_selected = nullptr;  // [batch][n_head_kv]
   int selected_stride = 0;
-  int pages_per_split = 0;             // >= 1
+  int pages_per_split = 0;  // >= 1
   int n_splits = 0;
-  float* o = nullptr;                  // out [batch][n_head_kv * group][head_dim] float32
-  float* lse = nullptr;                // out [batch][n_head_kv * group] natural log, nullable
-  float* partial_o = nullptr;          // workspace [batch][n_head_kv][n_splits][16][head_dim]
-  float* partial_lse = nullptr;        // workspace [batch][n_head_kv][n_splits][16]
-  uint32_t* counters = nullptr;        // workspace [batch][n_head_kv], zero-initialised
+  float* o = nullptr;            // out [batch][n_head_kv * group][head_dim] float32
+  float* lse = nullptr;          // out [batch][n_head_kv * group] natural log, nullable
+  float* partial_o = nullptr;    // workspace [batch][n_head_kv][n_splits][16][head_dim]
+  float* partial_lse = nullptr;  // workspace [batch][n_head_kv][n_splits][16]
+  uint32_t* counters = nullptr;  // workspace [batch][n_head_kv], zero-initialised
   bool pdl = false;
   /// With pdl: read q and the page table before waiting for the previous kernel (only `selected`
   /// and `n_selected` after). Valid when the previous kernel in the stream produced only those
   /// (select_pages inside locks_decode_step).
   bool pdl_early_reads = false;
+  /// Above this many splits the LSE merge runs as a second kernel (grid (group, n_head_kv, batch))
+  /// instead of in the last CTA of each (sequence, KV head): one CTA merging up to 1 MB of partials
+  /// is latency-bound.
+  int merge_kernel_above = 16;
 };
 cudaError_t paged_decode_attention(const AttentionParams& p, cudaStream_t stream);
 
@@ -178,8 +182,8 @@ struct DecodeShape {
   int group = 1;
   int head_dim = 128;
   KvType dtype = KvType::kF16;
-  int max_pages = 1;         // upper bound on n_pages_b
-  int budget_pages = 128;    // k (LOCKS budget in pages, b = 16 k tokens)
+  int max_pages = 1;       // upper bound on n_pages_b
+  int budget_pages = 128;  // k (LOCKS budget in pages, b = 16 k tokens)
 };
 struct DecodePlan {
   DecodeShape shape;
@@ -191,9 +195,9 @@ struct DecodePlan {
   bool pdl = true;
   size_t workspace_bytes = 0;
   // Byte offsets inside the workspace.
-  size_t off_log_mass = 0, off_lse_total = 0, off_chunk_stats = 0, off_keys = 0, off_hist = 0,
-         off_selected = 0, off_n_selected = 0, off_partial_o = 0, off_partial_lse = 0,
-         off_counters = 0, off_counters_sparse = 0, off_counters_dense = 0;
+  size_t off_log_mass = 0, off_lse_total = 0, off_chunk_stats = 0, off_keys = 0, off_hist = 0, off_selected = 0,
+         off_n_selected = 0, off_partial_o = 0, off_partial_lse = 0, off_counters = 0, off_counters_sparse = 0,
+         off_counters_dense = 0;
   int score_grid = 0;
   size_t counters_bytes = 0;
 };
@@ -204,13 +208,13 @@ cudaError_t init_decode_workspace(const DecodePlan& plan, void* workspace, cudaS
 
 /// LOCKS step: score_pages -> select_pages -> sparse paged_decode_attention (+ merge).
 struct DecodeStepParams {
-  const float* q = nullptr;            // [batch][n_head_kv * group][head_dim]
+  const float* q = nullptr;  // [batch][n_head_kv * group][head_dim]
   PagedKvView kv;
   const uint8_t* summaries = nullptr;
   int n_pages_pool = 0;
   float scale = 0.0f;
-  float* o = nullptr;                  // [batch][n_head_kv * group][head_dim]
-  float* lse = nullptr;                // nullable
+  float* o = nullptr;    // [batch][n_head_kv * group][head_dim]
+  float* lse = nullptr;  // nullable
   void* workspace = nullptr;
 };
 cudaError_t locks_decode_step(const DecodePlan& plan, const DecodeStepParams& p, cudaStream_t stream);

@@ -1,0 +1,43 @@
+#!/usr/bin/env python3
+"""Markdown tables for docs/RESULTS_CUDA.md from the two CSVs of one device run:
+`locks bench --device cuda --csv ours.csv` and `scripts/bench_sdpa.py --csv sdpa.csv`.
+
+  python3 scripts/cuda_results_tables.py bench/results/cuda_h200_locks_dense.csv bench/results/cuda_h200_sdpa.csv
+"""
+import csv
+import sys
+
+
+def main():
+    ours_path, sdpa_path = sys.argv[1], sys.argv[2]
+    ours = {(r["shape"], int(r["context"]), int(r["batch"])): r for r in csv.DictReader(open(ours_path))}
+    sdpa = {(r["shape"], int(r["context"]), int(r["batch"])): r for r in csv.DictReader(open(sdpa_path))}
+    read = float(next(iter(ours.values()))["read_gbs"])
+    print("| shape | context | batch | SDPA cuDNN µs | SDPA flash µs | our dense µs (GB/s) | our dense / cuDNN time | "
+          "LOCKS step µs | LOCKS speedup vs cuDNN | vs our dense | dense MB | LOCKS MB | fewer bytes |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for k, o in ours.items():
+        s = sdpa.get(k)
+        if s is None:
+            continue
+        c, f = float(s["cudnn_us"]), float(s["flash_us"])
+        dn, lk = float(o["dense_us"]), float(o["locks_us"])
+        db, lb = float(o["dense_bytes"]), float(o["locks_bytes"])
+        print(f"| {k[0]} | {k[1] // 1024}K | {k[2]} | {c:.1f} | {f:.1f} | {dn:.1f} ({db / dn * 1e-3:.0f}) | "
+              f"{dn / c:.2f} | {lk:.1f} | {c / lk:.1f}x | {dn / lk:.1f}x | {db / 1e6:.0f} | {lb / 1e6:.1f} | "
+              f"{db / lb:.2f}x |")
+    print()
+    print("| shape | context | batch | score µs | score GB/s (% of read) | select µs | sparse attention µs | "
+          "attention MB | L2 intermediates MB | build Mpage/s | build cost / step |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for k, o in ours.items():
+        sc, sb = float(o["score_us"]), float(o["score_bytes"])
+        print(f"| {k[0]} | {k[1] // 1024}K | {k[2]} | {sc:.1f} | {sb / sc * 1e-3:.0f} ({100 * sb / sc * 1e-3 / read:.0f}%) "
+              f"| {float(o['select_us']):.1f} | {float(o['attn_us']):.1f} | {float(o['attn_bytes']) / 1e6:.1f} | "
+              f"{float(o['l2_intermediate_bytes']) / 1e6:.1f} | {float(o['build_pages_per_s']) / 1e6:.2f} | "
+              f"{float(o['build_batch_us']) / 16 / float(o['locks_us']) * 100:.0f}% |")
+    print(f"\nmeasured read bandwidth {read:.0f} GB/s, copy {float(next(iter(ours.values()))['copy_gbs']):.0f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
