@@ -9,6 +9,7 @@
 #include <random>
 #include <vector>
 
+#include "test_util.h"
 #include "locks/attention.h"
 #include "locks/kv_cache.h"
 
@@ -18,12 +19,7 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-std::vector<float> randn(std::mt19937& rng, size_t n, double sd = 1.0) {
-  std::normal_distribution<double> N(0.0, sd);
-  std::vector<float> v(n);
-  for (auto& x : v) x = float(N(rng));
-  return v;
-}
+using test::randn;
 
 // Value as the cache stores it (f16 round-to-nearest-even via the compiler's _Float16, or f32).
 float stored(float x, KvDtype dt) { return dt == KvDtype::F16 ? float(static_cast<_Float16>(x)) : x; }

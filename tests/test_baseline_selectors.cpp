@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "test_util.h"
 #include "locks/kv_cache.h"
 #include "locks/model.h"
 #include "locks/page_summary.h"
@@ -32,12 +33,7 @@ namespace {
 
 constexpr int B = 16;
 
-std::vector<float> randn(std::mt19937& rng, size_t n, double sd = 1.0) {
-  std::normal_distribution<double> N(0.0, sd);
-  std::vector<float> v(n);
-  for (auto& x : v) x = float(N(rng));
-  return v;
-}
+using test::randn;
 
 using Keys = std::vector<std::vector<std::vector<float>>>;  // [il][h] -> [n_tokens][d]
 

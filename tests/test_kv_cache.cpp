@@ -11,18 +11,14 @@
 #include <string>
 #include <vector>
 
+#include "test_util.h"
 #include "locks/kv_cache.h"
 
 using namespace locks;
 
 namespace {
 
-std::vector<float> randn(std::mt19937& rng, size_t n, double sd = 1.0) {
-  std::normal_distribution<double> N(0.0, sd);
-  std::vector<float> v(n);
-  for (auto& x : v) x = float(N(rng));
-  return v;
-}
+using test::randn;
 
 KvCacheConfig small_cfg(int n_pages, KvDtype dt = KvDtype::F16, int n_layer = 2, int n_head_kv = 3, int d = 64) {
   KvCacheConfig c;

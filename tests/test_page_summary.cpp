@@ -12,6 +12,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "test_util.h"
 #include "locks/kv_cache.h"
 #include "locks/model.h"
 #include "locks/page_summary.h"
@@ -29,20 +30,7 @@ using MatD = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMaj
 // float64 references
 // ---------------------------------------------------------------------------------------------
 
-// Exact page log-mass s(q) = logsumexp_i (q.k_i) * scale, float64.
-double ref_lse(const float* keys, int n, const float* q, int d, double scale) {
-  std::vector<double> z(n);
-  double m = -std::numeric_limits<double>::infinity();
-  for (int i = 0; i < n; ++i) {
-    double acc = 0.0;
-    for (int c = 0; c < d; ++c) acc += double(q[c]) * keys[size_t(i) * d + c];
-    z[i] = acc * scale;
-    m = std::max(m, z[i]);
-  }
-  double l = 0.0;
-  for (int i = 0; i < n; ++i) l += std::exp(z[i] - m);
-  return m + std::log(l);
-}
+using test::ref_lse;
 
 // Eq. 4 evaluated in float64 on a float summary (any number of coefficient rows).
 double ref_summary_lse(const PageSummaryF32& s, const float* q, int d, double scale) {
@@ -115,12 +103,7 @@ std::vector<float> make_page(std::mt19937& rng, int n, int d, int true_rank, dou
   return k;
 }
 
-std::vector<float> randn(std::mt19937& rng, size_t n, double sd = 1.0) {
-  std::normal_distribution<double> N(0.0, sd);
-  std::vector<float> v(n);
-  for (auto& x : v) x = float(N(rng));
-  return v;
-}
+using test::randn;
 
 bool column_nonzero(const PageSummaryF32& s, int k, int d) {
   for (int c = 0; c < d; ++c)

@@ -13,6 +13,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "test_util.h"
 #include "locks/kv_cache.h"
 #include "locks/model.h"
 #include "locks/page_summary.h"
@@ -26,12 +27,7 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-std::vector<float> randn(std::mt19937& rng, size_t n, double sd = 1.0) {
-  std::normal_distribution<double> N(0.0, sd);
-  std::vector<float> v(n);
-  for (auto& x : v) x = float(N(rng));
-  return v;
-}
+using test::randn;
 
 // Per-head shares softmax_j(lm[g][j]) in float64 ([G][n]); heads with no finite value give zeros.
 std::vector<double> ref_shares(const std::vector<double>& lm, int G, int n) {
