@@ -253,7 +253,8 @@ int bench_cuda(const BenchArgs& a, bool custom_shape, bool budget_given, bool ru
 
 Runner add_bench(CLI::App& app) {
   auto a = std::make_shared<BenchArgs>();
-  CLI::Option* o_ctx = app.add_option("--contexts", a->contexts, "context lengths in tokens for the attention benchmark")
+  CLI::Option* o_ctx = app.add_option("--contexts", a->contexts, "context lengths in tokens for the attention benchmark (comma list)")
+      ->delimiter(',')
       ->check(CLI::Range(32, 1 << 24));
   CLI::Option* o_kv = app.add_option("--kv-heads", a->n_head_kv, "KV heads")->check(CLI::Range(1, 64));
   CLI::Option* o_grp = app.add_option("--group", a->n_group, "query heads per KV head (G)")->check(CLI::Range(1, 64));
@@ -267,7 +268,7 @@ Runner add_bench(CLI::App& app) {
   app.add_option("--device", a->device, "cpu (default) or cuda: the GPU kernels, issue 3's shapes unless "
                                         "--contexts/--kv-heads/--group/--head-dim are given; budget 2048")
       ->check(CLI::IsMember({"cpu", "cuda"}));
-  app.add_option("--batches", a->batches, "cuda: batch sizes")->check(CLI::Range(1, 256));
+  app.add_option("--batches", a->batches, "cuda: batch sizes")->delimiter(',')->check(CLI::Range(1, 256));
   app.add_option("--csv", a->csv, "cuda: also write the results as CSV to this path");
   app.add_flag("--f16", a->f16, "cuda: f16 KV instead of bf16");
   app.add_flag("--no-pdl", a->no_pdl, "cuda: launch the step's kernels without programmatic dependent launch");

@@ -47,6 +47,18 @@ Runner add_eval(CLI::App& app) {
     if (*threads > 0) omp_set_num_threads(*threads);
     EvalConfig cfg = *c;
     if (cfg.model_path.empty()) cfg.model_path = default_model_path();
+    cfg.corpus_path = resolve_default_path(cfg.corpus_path);
+    // Usage errors (bad selector specs, families, budgets) exit 2 like other bad options.
+    try {
+      for (const auto& s : cfg.selectors) parse_selector_spec(s, cfg.summary);
+      for (const auto& f : cfg.families)
+        if (f != "continuation") parse_needle_family(f);
+      for (int b : cfg.budgets)
+        if (b < 32 || b % 16 != 0) throw std::invalid_argument(fmt::format("budget {}: must be a multiple of 16, >= 32", b));
+      cfg.summary.validate(16, 64);
+    } catch (const std::invalid_argument& e) {
+      throw CLI::ValidationError("eval", e.what());
+    }
     auto progress = [](int done, int total, const std::string& what) {
       fmt::print(stderr, "\r[eval] {:>4}/{} contexts | {:<60}", done, total, what);
       std::fflush(stderr);

@@ -1,4 +1,6 @@
 // `locks run`: long-context generation with a selector, then one stats line (or --json).
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -57,7 +59,7 @@ int run(const RunArgs& a) {
   std::string prompt;
   bool default_prompt = false;
   if (a.prompt_given && !a.prompt_file.empty())
-    throw std::invalid_argument("--prompt and --prompt-file are mutually exclusive");
+    throw CLI::ValidationError("--prompt", "--prompt and --prompt-file are mutually exclusive");
   if (a.prompt_given) {
     prompt = a.prompt;
   } else if (a.prompt_file == "-") {
@@ -80,6 +82,9 @@ int run(const RunArgs& a) {
   sc.selector_opts.group_rule = parse_group_rule(a.group_rule);
   sc.kv_dtype = parse_kv_dtype(a.kv_dtype);
   sc.n_ctx = a.n_ctx;
+  if (a.n_ctx > model.hp.n_ctx_train)
+    fmt::print(stderr, "[locks] warning: context {} tokens exceeds the model's training context of {}\n", a.n_ctx,
+               model.hp.n_ctx_train);
   Session session(model, sc);
   if (int64_t(ids.size()) + a.max_tokens > session.n_ctx())
     throw std::length_error(fmt::format("prompt of {} tokens + {} to generate exceeds the context size of {} tokens",
@@ -117,9 +122,11 @@ int run(const RunArgs& a) {
                   {"bytes_read_per_step", bytes_step},
                   {"dense_bytes_per_step", dense_step},
                   {"read_ratio", ratio}};
-    std::cout << j.dump() << "\n";
+    // Byte-fallback tokens can split a UTF-8 character: replace invalid bytes, never fail the run.
+    std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
   } else {
     std::fputs("\n", stdout);
+    std::fflush(stdout);
     fmt::print(stderr,
                "[locks] selector={} budget={} tokens | prompt {} tokens | prefill {:.2f} s ({:.0f} tok/s) | "
                "decode {} steps, {:.1f} tok/s | attention read/step {:.1f} KiB vs dense {:.1f} KiB "
@@ -138,7 +145,13 @@ Runner add_run(CLI::App& app) {
   CLI::Option* prompt_opt = app.add_option("-p,--prompt", a->prompt, "prompt text (\"\" = generate from BOS)");
   app.add_option("-f,--prompt-file", a->prompt_file, "prompt file, '-' for stdin (default: examples/needle-8k.txt)");
   app.add_option("-s,--selector", a->selector, "page selector (full = dense, oracle = exact page LSE, locks, baselines)")
-      ->check(CLI::IsMember(selector_names()))->capture_default_str();
+      ->check(CLI::IsMember([] {
+        // global-basis needs an offline calibration pass: it is available in `locks eval`.
+        auto n = selector_names();
+        n.erase(std::remove(n.begin(), n.end(), std::string("global-basis")), n.end());
+        return n;
+      }()))
+      ->capture_default_str();
   app.add_option("-b,--budget", a->budget, "attention budget per KV head in tokens (multiple of 16, >= 32)")
       ->check(CLI::Range(32, 1 << 26))->capture_default_str();
   app.add_option("-r,--rank", a->rank, "LOCKS summary rank r (1..16)")->check(CLI::Range(1, 16))->capture_default_str();
@@ -160,6 +173,7 @@ Runner add_run(CLI::App& app) {
   app.add_flag("--json", a->json, "print one JSON object instead of streamed text and a stats line");
   return [a, prompt_opt] {
     a->prompt_given = prompt_opt->count() > 0;
+    if (!std::isfinite(a->temperature)) throw CLI::ValidationError("--temperature", "must be a finite number");
     if (a->budget % 16 != 0)
       throw CLI::ValidationError("--budget", fmt::format("{} is not a multiple of the page size 16", a->budget));
     return run(*a);

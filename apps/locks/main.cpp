@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <exception>
 #include <map>
+#include <new>
 #include <string>
 
 #include <fmt/format.h>
@@ -41,6 +42,9 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     fmt::print(stderr, "locks: error: {}\n", e.what());
     return 2;
+  } catch (const std::bad_alloc&) {
+    fmt::print(stderr, "locks: error: out of memory (a smaller --ctx / -c reduces the KV cache)\n");
+    return 1;
   } catch (const std::exception& e) {
     fmt::print(stderr, "locks: error: {}\n", e.what());
     return 1;

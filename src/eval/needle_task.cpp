@@ -62,7 +62,7 @@ NeedleFamily parse_needle_family(const std::string& s) {
   if (s == "single") return NeedleFamily::kSingle;
   if (s == "multikey") return NeedleFamily::kMultiKey;
   if (s == "multiquery") return NeedleFamily::kMultiQuery;
-  throw std::invalid_argument(fmt::format("unknown task family '{}' (expected single, multikey or multiquery)", s));
+  throw std::invalid_argument(fmt::format("unknown task family '{}' (expected single, multikey, multiquery or continuation)", s));
 }
 
 int NeedleTask::total_tokens() const {

@@ -1,4 +1,5 @@
 // GGUF -> LlamaModel: hyper-parameters from `llama.*` keys, weights dequantized to float32.
+#include <cmath>
 #include <stdexcept>
 
 #include <fmt/format.h>
@@ -59,7 +60,10 @@ LlamaModel LlamaModel::from_gguf(const GgufFile& f) {
   hp.n_rot = int(f.get_u32_or("llama.rope.dimension_count", uint32_t(hp.head_dim)));
   if (hp.n_rot <= 0 || hp.n_rot > hp.head_dim || hp.n_rot % 2 != 0)
     throw bad(fmt::format("llama.rope.dimension_count {} invalid for head_dim {}", hp.n_rot, hp.head_dim));
-  if (!(hp.rope_freq_base > 0.0f) || !(hp.rms_eps > 0.0f)) throw bad("rope freq_base and RMSNorm eps must be positive");
+  if (!(hp.rope_freq_base > 0.0f) || !(hp.rms_eps > 0.0f) || !std::isfinite(hp.rope_freq_base) ||
+      !std::isfinite(hp.rms_eps))
+    throw bad(fmt::format("rope freq_base {} and RMSNorm eps {} must be finite and positive", hp.rope_freq_base,
+                          hp.rms_eps));
 
   m.tokenizer = Tokenizer::from_gguf(f);
   hp.n_vocab = m.tokenizer.n_vocab();

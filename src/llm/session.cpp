@@ -205,7 +205,7 @@ void Session::forward(std::span<const int32_t> tokens, bool decode_step) {
         req.seq = &seq_;
         req.budget_pages = budget_pages_;
         req.want_estimates = probe_ && probe_->enabled;
-        if (seq_.n_pages() <= budget_pages_ && !req.want_estimates) {
+        if (seq_.n_pages() <= budget_pages_) {
           // The budget covers every page: attention is dense, nothing to score or read twice.
           sel[h].pages.resize(seq_.n_pages());
           for (int32_t j = 0; j < seq_.n_pages(); ++j) sel[h].pages[j] = j;
