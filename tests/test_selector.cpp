@@ -260,19 +260,7 @@ std::vector<float> make_page(std::mt19937& rng, int d, int true_rank, double noi
   return k;
 }
 
-double ref_lse(const float* keys, int n, const float* q, int d, double scale) {
-  std::vector<double> z(n);
-  double m = -kInf;
-  for (int i = 0; i < n; ++i) {
-    double acc = 0.0;
-    for (int c = 0; c < d; ++c) acc += double(q[c]) * keys[size_t(i) * d + c];
-    z[i] = acc * scale;
-    m = std::max(m, z[i]);
-  }
-  double l = 0.0;
-  for (int i = 0; i < n; ++i) l += std::exp(z[i] - m);
-  return m + std::log(l);
-}
+using test::ref_lse;
 
 // Group-average coverage: mean over heads of the exact attention mass inside `sel`.
 double coverage(const std::vector<double>& exact_lm, int G, int n, const std::vector<int32_t>& sel) {
