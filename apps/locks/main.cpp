@@ -1,10 +1,12 @@
 // `locks`: run | eval | bench. Errors become one line on stderr and a non-zero exit code
 // (2 for bad command-line usage, 1 for failures while running).
+#include <algorithm>
 #include <cstdio>
 #include <exception>
 #include <map>
 #include <new>
 #include <string>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -22,8 +24,13 @@ int main(int argc, char** argv) {
   add("run", "generate text with a selector (default when no subcommand is given)", locks::cli::add_run);
   add("bench", "decode-attention and engine speed benchmarks", locks::cli::add_bench);
   add("eval", "needle-retrieval accuracy of selectors on real held-out text", locks::cli::add_eval);
+  // `run` is the default subcommand: `locks -p TEXT ...` means `locks run -p TEXT ...`.
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (!args.empty() && args[0].size() > 1 && args[0][0] == '-' && args[0] != "-h" && args[0] != "--help")
+    args.insert(args.begin(), "run");
+  std::reverse(args.begin(), args.end());  // CLI11 takes the vector form in reverse order
   try {
-    app.parse(argc, argv);
+    app.parse(args);
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);  // prints the help of the (sub)command asked about
   } catch (const CLI::CallForAllHelp& e) {
