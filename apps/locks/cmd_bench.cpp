@@ -139,11 +139,7 @@ void bench_attention(const BenchArgs& a) {
         paged_decode_attention(cache, 0, h, seq, sel[h].pages, req.q, G, scale, &o[size_t(h) * G * d], nullptr);
       }
       locks_bytes = 0;
-      for (int h = 0; h < H; ++h) {
-        locks_bytes += double(sel[h].bytes_read);
-        for (int32_t j : sel[h].pages)
-          locks_bytes += double(cache.kv_bytes(j == seq.n_pages() - 1 ? seq.n_tokens - j * B : B));
-      }
+      for (int h = 0; h < H; ++h) locks_bytes += double(step_bytes_read(cache, seq, sel[h]));
     };
     std::vector<double> td, tl;
     for (int r = -2; r < a.runs; ++r) {  // two warm-up rounds, then alternate

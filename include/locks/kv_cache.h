@@ -36,6 +36,11 @@ struct KvSequence {
   int32_t n_pages() const { return static_cast<int32_t>(page_table.size()); }
 };
 
+/// Valid tokens in page-table position j of seq: B except for a partial last page.
+inline int page_tokens(const KvSequence& seq, int j, int page_size) {
+  return j == seq.n_pages() - 1 ? seq.n_tokens - j * page_size : page_size;
+}
+
 /// The page pool. Storage per (layer, page): K as [n_head_kv][B][head_dim] (HND inside the page,
 /// so one KV head's page is a contiguous [B][head_dim] block), V the same.
 class PagedKvCache {

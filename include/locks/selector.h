@@ -47,6 +47,14 @@ struct Selection {
   std::vector<float> log_mass;
 };
 
+/// Bytes one GQA group's decode step reads: the selector's own reads plus the K/V of the selected
+/// pages (partial last page counted at its length).
+inline size_t step_bytes_read(const PagedKvCache& cache, const KvSequence& seq, const Selection& sel) {
+  size_t bytes = sel.bytes_read;
+  for (int32_t j : sel.pages) bytes += cache.kv_bytes(page_tokens(seq, j, cache.page_size()));
+  return bytes;
+}
+
 class Selector {
  public:
   virtual ~Selector() = default;

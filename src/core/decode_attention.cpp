@@ -29,7 +29,7 @@ void paged_decode_attention(const PagedKvCache& cache, int il, int kv_head, cons
   std::fill(o, o + size_t(n_group) * d, 0.0f);
   float logits[kMaxPage];
   for (const int32_t j : pages) {
-    const int n_tok = j == seq.n_pages() - 1 ? seq.n_tokens - j * B : B;
+    const int n_tok = page_tokens(seq, j, B);
     const int32_t page = seq.page_table[j];
     cache.k_page_f32(il, page, kv_head, kbuf);
     cache.v_page_f32(il, page, kv_head, vbuf);

@@ -86,7 +86,7 @@ void FidelityProbe::observe(const PagedKvCache& cache, const KvSequence& seq, co
   // per-token reconstruction where it has one.
   std::vector<float> exact(size_t(G) * n_pages), keys(size_t(B) * d), recon(size_t(B) * d);
   for (int j = 0; j < n_pages; ++j) {
-    const int n_tok = j == n_pages - 1 ? seq.n_tokens - j * B : B;
+    const int n_tok = page_tokens(seq, j, B);
     cache.k_page_f32(il, seq.page_table[j], kv_head, keys.data());
     for (int g = 0; g < G; ++g)
       exact[size_t(g) * n_pages + j] = exact_log_mass(keys.data(), n_tok, q + size_t(g) * d, d, scale);

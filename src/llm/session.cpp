@@ -228,8 +228,7 @@ void Session::forward(std::span<const int32_t> tokens, bool decode_step) {
           probe_->observe(cache_, seq_, *selector_, il, h, &q[size_t(h) * G * HD], G, budget_pages_, sel[h]);
       }
       for (int h = 0; h < NKV; ++h) {
-        totals_.bytes_read += double(sel[h].bytes_read);
-        for (int32_t j : sel[h].pages) totals_.bytes_read += double(cache_.kv_bytes(j == seq_.n_pages() - 1 ? seq_.n_tokens - j * B : B));
+        totals_.bytes_read += double(step_bytes_read(cache_, seq_, sel[h]));
         totals_.dense_bytes += double(cache_.kv_bytes(seq_.n_tokens));
       }
     }

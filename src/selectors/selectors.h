@@ -12,10 +12,6 @@
 
 namespace locks {
 
-/// Valid tokens in page-table position j of seq (B except for a partial last page).
-inline int page_tokens(const KvSequence& seq, int j, int B) {
-  return j == seq.n_pages() - 1 ? seq.n_tokens - j * B : B;
-}
 
 class FullSelector final : public Selector {
  public:
