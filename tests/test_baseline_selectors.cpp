@@ -541,6 +541,38 @@ TEST(BaselineSelectors, SequenceBasisIsEq4WithTheFittedBasis) {
   }
 }
 
+// The fit done ahead by prepare_for_decode (Session::prepare_selector) is the fit the first
+// select() makes: kept when the sequence has the same full pages, redone when a page was completed
+// in between (here: prepared on a view with one full page fewer).
+TEST(BaselineSelectors, SequenceBasisPreparedFitEqualsTheLazyFit) {
+  std::mt19937 rng(406);
+  const int d = 16, n_tokens = 6 * B + 5;
+  const Keys K = page_keys(rng, 2, 2, d, n_tokens);
+  TestCache tc = make_cache(rng, d, n_tokens, K);
+  SelectorOptions opts;
+  opts.shared_rank = 5;
+  KvSequence shorter = tc.seq;
+  shorter.page_table.resize(6);
+  shorter.n_tokens = 5 * B + 5;
+  for (const KvSequence* prep : {&tc.seq, &shorter}) {
+    auto lazy = make_selector("sequence-basis", tc.cfg, opts), ahead = make_selector("sequence-basis", tc.cfg, opts);
+    fill_all(*lazy, tc);
+    fill_all(*ahead, tc);
+    ahead->prepare_for_decode(*tc.cache, *prep);
+    for (int il = 0; il < 2; ++il)
+      for (int h = 0; h < 2; ++h) {
+        const auto q = group_query(rng, tc, il, h, 4, 2);
+        std::vector<float> want, got;
+        const size_t want_bytes = est_of(*lazy).estimate(*tc.cache, request(tc, q, 4, il, h, 3), want);
+        const size_t got_bytes = est_of(*ahead).estimate(*tc.cache, request(tc, q, 4, il, h, 3), got);
+        EXPECT_EQ(got, want) << "prepared on " << prep->n_tokens << " tokens, layer " << il << " head " << h;
+        EXPECT_EQ(got_bytes, want_bytes);
+        EXPECT_EQ(dynamic_cast<SequenceBasisSelector&>(*ahead).basis(il, h),
+                  dynamic_cast<SequenceBasisSelector&>(*lazy).basis(il, h));
+      }
+  }
+}
+
 TEST(BaselineSelectors, SharedBasisExactWhenKeysSpanAtMostRhoDirections) {
   std::mt19937 rng(405);
   const int d = 64, rho0 = 6;
@@ -787,6 +819,55 @@ TEST(BaselineSelectors, ForkAndDecodeOnTheReferenceModel) {
     fc.selector_opts = opts;
     Session s = base.fork(fc);
     EXPECT_EQ(s.decode(ids[200]), want) << name;
+  }
+}
+
+// One prepared selector cloned into several forks (as `locks eval` does for the budgets of one
+// selector) decodes exactly like fresh forks, also for sequence-basis's fit done at preparation:
+// kept when the first decode step leaves the full pages unchanged (200 tokens), refit when that
+// step completes a page (207 + 1 = 13 pages).
+TEST(BaselineSelectors, PreparedSelectorForksDecodeLikeFreshForks) {
+  const LlamaModel model = LlamaModel::load(test::source_path("models/locks-ref-a-q8_0.gguf"));
+  std::ifstream in(test::source_path("examples/haystack.txt"));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const auto ids = model.tokenizer.encode(ss.str().substr(30000, 4000), true);
+  ASSERT_GT(ids.size(), 480u);
+  SessionConfig cfg;
+  cfg.n_ctx = 512;
+  Session cal(model, cfg);
+  cal.prefill(std::span<const int32_t>(ids.data() + 240, 240));
+  SelectorOptions opts;
+  opts.global_basis = std::make_shared<const GlobalBasis>(
+      calibrate_global_basis(cal.cache(), cal.sequence(), matched_bytes_rank(SummaryFormat{}, 16, model.hp.head_dim)));
+  for (int n_prefill : {200, 207}) {
+    Session base(model, cfg);
+    base.prefill(std::span<const int32_t>(ids.data(), n_prefill));
+    for (const std::string& name : selector_names()) {
+      SCOPED_TRACE(name + " after " + std::to_string(n_prefill) + " tokens");
+      SessionConfig fc = cfg;
+      fc.selector = name;
+      fc.selector_opts = opts;
+      fc.budget_tokens = 64;
+      const auto prepared = base.prepare_selector(fc);
+      for (int budget : {64, 96}) {
+        fc.budget_tokens = budget;
+        Session fresh = base.fork(fc), shared = base.fork(fc, *prepared);
+        for (int t = 0; t < 3; ++t) {
+          const std::vector<float> want = fresh.decode(ids[size_t(n_prefill) + t]);
+          ASSERT_EQ(shared.decode(ids[size_t(n_prefill) + t]), want) << "budget " << budget << " step " << t;
+        }
+        EXPECT_EQ(shared.totals().bytes_read, fresh.totals().bytes_read);
+        if (name == "sequence-basis") {
+          const auto& a = dynamic_cast<const SequenceBasisSelector&>(shared.selector());
+          const auto& b = dynamic_cast<const SequenceBasisSelector&>(fresh.selector());
+          for (int il = 0; il < model.hp.n_layer; ++il)
+            for (int h = 0; h < model.hp.n_head_kv; ++h) {
+              EXPECT_EQ(a.basis(il, h), b.basis(il, h)) << "layer " << il << " head " << h;
+            }
+        }
+      }
+    }
   }
 }
 

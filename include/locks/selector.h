@@ -69,6 +69,10 @@ class Selector {
   /// Keys of a full page as the selector's metadata represents them (e.g. LOCKS: mu + V c_i),
   /// out: [B][head_dim]. Returns false when the selector keeps no per-token reconstruction.
   virtual bool reconstruct_keys(int il, int kv_head, int32_t page, float* out) const { return false; }
+  /// The sequence `seq` (prefilled, every full page passed to on_pages_filled) is about to decode.
+  /// A selector may do here work that its first select() would otherwise do, where doing it now
+  /// gives the same result (Session::prepare_selector, so that forks share it).
+  virtual void prepare_for_decode(const PagedKvCache& cache, const KvSequence& seq) {}
 };
 
 struct SelectorOptions {

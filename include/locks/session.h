@@ -45,6 +45,13 @@ class Session {
   /// kept). The new selector's per-page metadata is built for every full page (batched), exactly as
   /// if it had run from the start: prefill is dense, so the cache does not depend on the selector.
   Session fork(const SessionConfig& cfg) const;
+  /// The selector `cfg` names, with its per-page metadata built for every full page of this
+  /// sequence (what fork(cfg) builds), for fork(cfg, prepared): forks that differ only in the
+  /// budget then share one build (the metadata does not depend on the budget).
+  std::unique_ptr<Selector> prepare_selector(const SessionConfig& cfg) const;
+  /// fork(cfg) with a clone of `prepared` (prepare_selector(cfg) on this session, same selector and
+  /// options; the sequence unchanged since) as the new selector; same result, no metadata build.
+  Session fork(const SessionConfig& cfg, const Selector& prepared) const;
   Session& operator=(const Session&) = delete;
 
   /// Dense prefill of `tokens` appended to the sequence; returns logits [n_vocab] of the last one.
@@ -71,6 +78,7 @@ class Session {
  private:
   void forward(std::span<const int32_t> tokens, bool decode_step);
   static int check_budget(int budget_tokens, int page_size);
+  Session fork_with(const SessionConfig& cfg, std::unique_ptr<Selector> selector) const;
 
   const LlamaModel& model_;
   SessionConfig cfg_;

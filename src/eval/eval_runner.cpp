@@ -234,12 +234,18 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg, const std::function<void(in
   const std::vector<int> loc_ranks = {1, 2, 4, 8, 16, matched_rho};
   std::map<int, std::vector<LocalityResult>> locality;  // by length
 
-  auto run_config = [&](const SelectorSpec& spec, int b, const Session& base, EvalRow row, auto&& body) {
+  auto fork_config = [](const SelectorSpec& spec, int b) {
     SessionConfig sc;
     sc.selector = spec.name;
     sc.budget_tokens = b == 0 ? 32 : b;
     sc.selector_opts = spec.opts;
-    Session s = base.fork(sc);
+    return sc;
+  };
+  // One selector per spec with its metadata built on the context once (it does not depend on the
+  // budget), cloned into the fork of every budget.
+  auto run_config = [&](const SelectorSpec& spec, int b, const Session& base, const Selector& prepared, EvalRow row,
+                        auto&& body) {
+    Session s = base.fork(fork_config(spec, b), prepared);
     row.selector = spec.label;
     row.budget = b;
     body(s, row);
@@ -270,8 +276,9 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg, const std::function<void(in
         proto.prompt_tokens = int(task.context_ids.size());
         for (const auto& spec : specs) {
           const std::vector<int> budgets = budget_free(spec.name) ? std::vector<int>{0} : cfg.budgets;
+          const auto prepared = base.prepare_selector(fork_config(spec, budgets.front()));
           for (int b : budgets)
-            run_config(spec, b, base, proto, [&](Session& s, EvalRow& row) {
+            run_config(spec, b, base, *prepared, proto, [&](Session& s, EvalRow& row) {
               std::unique_ptr<FidelityProbe> probe;
               if (cfg.fidelity && !budget_free(spec.name)) {
                 probe = std::make_unique<FidelityProbe>();
@@ -330,8 +337,9 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg, const std::function<void(in
           for (const auto& spec : specs) {
             if (budget_free(spec.name) != record) continue;
             const std::vector<int> budgets = budget_free(spec.name) ? std::vector<int>{0} : cfg.budgets;
+            const auto prepared = base.prepare_selector(fork_config(spec, budgets.front()));
             for (int b : budgets)
-              run_config(spec, b, base, proto, [&](Session& s, EvalRow& row) {
+              run_config(spec, b, base, *prepared, proto, [&](Session& s, EvalRow& row) {
                 teacher_force(s, row, record);
                 if (record) row.answer_tokens_correct = row.answer_tokens;  // full agrees with itself
                 fill_fidelity(nullptr, row);

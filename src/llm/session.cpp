@@ -119,17 +119,32 @@ int Session::check_budget(int budget_tokens, int B) {
 }
 
 Session Session::fork(const SessionConfig& cfg) const {
+  check_budget(cfg.budget_tokens, cache_.page_size());  // before the (costly) metadata build
+  return fork_with(cfg, prepare_selector(cfg));
+}
+
+Session Session::fork(const SessionConfig& cfg, const Selector& prepared) const {
+  return fork_with(cfg, prepared.clone());
+}
+
+std::unique_ptr<Selector> Session::prepare_selector(const SessionConfig& cfg) const {
+  std::unique_ptr<Selector> sel = make_selector(cfg.selector, cache_.config(), cfg.selector_opts);
+  const int B = cache_.page_size();
+  const std::vector<int32_t> full(seq_.page_table.begin(), seq_.page_table.begin() + seq_.n_tokens / B);
+  if (!full.empty())
+    for (int il = 0; il < model_.hp.n_layer; ++il) sel->on_pages_filled(cache_, il, full);
+  sel->prepare_for_decode(cache_, seq_);
+  return sel;
+}
+
+Session Session::fork_with(const SessionConfig& cfg, std::unique_ptr<Selector> selector) const {
   Session s(*this);
   s.cfg_.selector = cfg.selector;
   s.cfg_.budget_tokens = cfg.budget_tokens;
   s.cfg_.selector_opts = cfg.selector_opts;
   s.budget_pages_ = check_budget(cfg.budget_tokens, cache_.page_size());
-  s.selector_ = make_selector(cfg.selector, cache_.config(), cfg.selector_opts);
+  s.selector_ = std::move(selector);
   s.totals_ = {};
-  const int B = cache_.page_size();
-  const std::vector<int32_t> full(seq_.page_table.begin(), seq_.page_table.begin() + seq_.n_tokens / B);
-  if (!full.empty())
-    for (int il = 0; il < model_.hp.n_layer; ++il) s.selector_->on_pages_filled(s.cache_, il, full);
   return s;
 }
 

@@ -8,6 +8,7 @@
 // Pages filled after the fit are projected on the existing basis. Bytes read per step: the shared
 // basis once (rho * d * 4) plus shared_basis_page_bytes() per page with metadata; the one-time fit
 // reads the prefill keys once (a prefill cost, like building LOCKS summaries) and is not counted.
+#include <exception>
 #include <vector>
 
 #include "selectors/selectors.h"
@@ -17,9 +18,12 @@ namespace locks {
 SequenceBasisSelector::SequenceBasisSelector(const KvCacheConfig& cfg, const SummaryFormat& fmt, int rho,
                                              GroupRule rule)
     : EstimatingSelector(rule),
+      n_layer_(cfg.n_layer),
       n_head_kv_(cfg.n_head_kv),
       pages_(cfg, rho, fmt.coef_bits, fmt.centroid_bits),
-      basis_(size_t(cfg.n_layer) * cfg.n_head_kv) {}
+      basis_(size_t(cfg.n_layer) * cfg.n_head_kv),
+      fit_pages_(size_t(cfg.n_layer) * cfg.n_head_kv, -1),
+      fit_used_(size_t(cfg.n_layer) * cfg.n_head_kv, 0) {}
 
 void SequenceBasisSelector::fit(const PagedKvCache& cache, const KvSequence& seq, int il, int h) {
   const int B = cache.page_size(), d = cache.config().head_dim;
@@ -30,6 +34,25 @@ void SequenceBasisSelector::fit(const PagedKvCache& cache, const KvSequence& seq
   std::vector<float> basis = pca_key_basis(keys.data(), size_t(n_full) * B, d, pages_.rank());
   for (int j = 0; j < n_full; ++j) pages_.build(il, h, seq.page_table[j], &keys[size_t(j) * B * d], basis.data());
   basis_[size_t(il) * n_head_kv_ + h] = std::move(basis);
+  fit_pages_[size_t(il) * n_head_kv_ + h] = n_full;
+}
+
+void SequenceBasisSelector::prepare_for_decode(const PagedKvCache& cache, const KvSequence& seq) {
+  // The fit the first select() would make, done once here so that clones share it: the prefill's
+  // full pages are final, so fitting them now or at the first select() gives the same basis and
+  // coefficients. estimate() refits if the full pages changed in between.
+  const int n = n_layer_ * n_head_kv_;
+  std::exception_ptr error;
+#pragma omp parallel for schedule(dynamic, 1) if (n > 1)
+  for (int t = 0; t < n; ++t) {
+    try {
+      if (!fit_used_[t]) fit(cache, seq, t / n_head_kv_, t % n_head_kv_);
+    } catch (...) {
+#pragma omp critical(locks_sequence_basis_error)
+      if (!error) error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
 }
 
 void SequenceBasisSelector::on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) {
@@ -46,8 +69,13 @@ void SequenceBasisSelector::on_pages_filled(const PagedKvCache& cache, int il, s
 size_t SequenceBasisSelector::estimate(const PagedKvCache& cache, const SelectionRequest& req,
                                        std::vector<float>& log_mass) {
   // Only this KV head's slot is written here, so concurrent select() calls over heads are safe.
-  auto& basis = basis_[size_t(req.il) * n_head_kv_ + req.kv_head];
-  if (basis.empty()) fit(cache, *req.seq, req.il, req.kv_head);
+  const size_t slot = size_t(req.il) * n_head_kv_ + req.kv_head;
+  auto& basis = basis_[slot];
+  if (!fit_used_[slot]) {  // first select() of this head: fit on the full pages present now
+    if (basis.empty() || fit_pages_[slot] != req.seq->n_tokens / cache.page_size())
+      fit(cache, *req.seq, req.il, req.kv_head);
+    fit_used_[slot] = basis.empty() ? 0 : 1;
+  }
   return pages_.estimate(basis.empty() ? nullptr : basis.data(), cache, req, log_mass);
 }
 
