@@ -84,20 +84,31 @@ void FidelityProbe::observe(const PagedKvCache& cache, const KvSequence& seq, co
 
   // Exact page log-mass s_j(q_g) for every page and head (reads all keys) and the selector's
   // per-token reconstruction where it has one.
-  std::vector<float> exact(size_t(G) * n_pages), keys(size_t(B) * d), recon(size_t(B) * d);
+  std::vector<float> exact(size_t(G) * n_pages), keys(size_t(B) * d), recon(size_t(B) * d), diff_t(size_t(d) * B);
+  std::vector<double> e(B);
   for (int j = 0; j < n_pages; ++j) {
     const int n_tok = page_tokens(seq, j, B);
     cache.k_page_f32(il, seq.page_table[j], kv_head, keys.data());
     for (int g = 0; g < G; ++g)
       exact[size_t(g) * n_pages + j] = exact_log_mass(keys.data(), n_tok, q + size_t(g) * d, d, scale);
     if (n_tok == B && selector.reconstruct_keys(il, kv_head, seq.page_table[j], recon.data())) {
-      for (int g = 0; g < G; ++g)
+      // e_i = q_g.(k_hat_i - k_i) in float64, summed in channel order; the differences are
+      // transposed ([d][B]) so that one pass over the channels serves all B tokens.
+      for (int i = 0; i < B; ++i)
+        for (int c = 0; c < d; ++c) diff_t[size_t(c) * B + i] = recon[size_t(i) * d + c] - keys[size_t(i) * d + c];
+      for (int g = 0; g < G; ++g) {
+        std::fill(e.begin(), e.end(), 0.0);
+        for (int c = 0; c < d; ++c) {
+          const double qc = q[size_t(g) * d + c];
+          const float* dc = &diff_t[size_t(c) * B];
+#pragma omp simd
+          for (int i = 0; i < B; ++i) e[i] += qc * double(dc[i]);
+        }
         for (int i = 0; i < B; ++i) {
-          double e = 0;
-          for (int c = 0; c < d; ++c) e += double(q[size_t(g) * d + c]) * (recon[size_t(i) * d + c] - keys[size_t(i) * d + c]);
-          st.logit_abs_err += std::abs(e) * scale;
+          st.logit_abs_err += std::abs(e[i]) * scale;
           st.logit_n += 1;
         }
+      }
     }
   }
   // Summary accuracy and ranking: full pages the selector estimated (the partial page is exact).

@@ -2,6 +2,7 @@
 // average (Eq. 5), keep sink + recent + top-(k-2).
 #include "selectors/selectors.h"
 
+#include <algorithm>
 #include <cmath>
 #include <exception>
 #include <vector>
@@ -70,12 +71,17 @@ bool LocksSelector::reconstruct_keys(int il, int kv_head, int32_t page, float* o
   if (!store_.has(il, kv_head, page)) return false;
   const PageSummaryF32 s = store_.load(il, kv_head, page);
   const int r = store_.format().rank, d = int(s.centroid.size()), B = int(s.coef.size()) / r;
-  for (int i = 0; i < B; ++i)
-    for (int c = 0; c < d; ++c) {
-      float acc = s.centroid[c];
-      for (int k = 0; k < r; ++k) acc += s.coef[size_t(i) * r + k] * s.basis[size_t(k) * d + c];
-      out[size_t(i) * d + c] = acc;
+  // k_i = mu + sum_k c_ik V_k, accumulated in k order, vectorized over channels.
+  for (int i = 0; i < B; ++i) {
+    float* row = out + size_t(i) * d;
+    std::copy_n(s.centroid.data(), d, row);
+    for (int k = 0; k < r; ++k) {
+      const float cik = s.coef[size_t(i) * r + k];
+      const float* vk = &s.basis[size_t(k) * d];
+#pragma omp simd
+      for (int c = 0; c < d; ++c) row[c] += cik * vk[c];
     }
+  }
   return true;
 }
 

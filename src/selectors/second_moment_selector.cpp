@@ -37,6 +37,8 @@ SecondMomentSelector::SecondMomentSelector(const KvCacheConfig& cfg, const Summa
     : EstimatingSelector(rule), fmt_(fmt), d_(cfg.head_dim) {
   fmt.validate(cfg.page_size, cfg.head_dim);
   store_ = PageBlobStore(cfg, page_bytes(fmt, cfg.head_dim));
+  dec_stride_ = size_t(d_) + size_t(fmt.rank) * (d_ + 1);
+  dec_.assign(store_.slots() * dec_stride_, 0.0f);
 }
 
 void SecondMomentSelector::on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) {
@@ -61,6 +63,21 @@ void SecondMomentSelector::on_pages_filled(const PagedKvCache& cache, int il, st
         std::memcpy(sd + 2 * size_t(k), &hk, 2);
       }
     }
+    // The decoded copy that estimate() reads.
+    float* dec = dec_.data() + store_.index(l, h, page) * dec_stride_;
+    qvec::decode(blob, d, fmt_.centroid_bits, dec);
+    for (int k = 0; k < r; ++k) {
+      qvec::decode(blob + mu_bytes + size_t(k) * col_bytes, d, fmt_.basis_bits, dec + d + size_t(k) * d);
+      float sk;
+      if (fmt_.basis_bits == 32) {
+        std::memcpy(&sk, sd + 4 * size_t(k), 4);
+      } else {
+        f16_t hk;
+        std::memcpy(&hk, sd + 2 * size_t(k), 2);
+        sk = f16_to_f32(hk);
+      }
+      dec[d + size_t(r) * d + k] = sk * sk;  // sigma_k^2 / B
+    }
     store_.set_valid(l, h, page);
   });
 }
@@ -69,9 +86,8 @@ size_t SecondMomentSelector::estimate(const PagedKvCache& cache, const Selection
                                       std::vector<float>& log_mass) {
   const int d = d_, B = cache.page_size(), r = fmt_.rank, n_pages = req.seq->n_pages(), G = req.n_group;
   const float scale = 1.0f / std::sqrt(float(d)), log_b = std::log(float(B)), inv_2d = 0.5f / float(d);
-  const size_t mu_bytes = qvec::bytes(size_t(d), fmt_.centroid_bits), col_bytes = qvec::bytes(size_t(d), fmt_.basis_bits);
   log_mass.assign(size_t(G) * n_pages, kNegInf);
-  std::vector<float> mu(d), V(size_t(r) * d), var(r), keys;
+  std::vector<float> keys;
   size_t bytes = 0;
   for (int j = 0; j < n_pages; ++j) {
     const int32_t page = req.seq->page_table[j];
@@ -79,21 +95,9 @@ size_t SecondMomentSelector::estimate(const PagedKvCache& cache, const Selection
       bytes += exact_page_estimate(cache, req, j, /*max_logit=*/false, keys, log_mass.data());
       continue;
     }
-    const uint8_t* blob = store_.blob(req.il, req.kv_head, page);
-    qvec::decode(blob, d, fmt_.centroid_bits, mu.data());
-    const uint8_t* sd = blob + mu_bytes + size_t(r) * col_bytes;
-    for (int k = 0; k < r; ++k) {
-      qvec::decode(blob + mu_bytes + size_t(k) * col_bytes, d, fmt_.basis_bits, &V[size_t(k) * d]);
-      float s;
-      if (fmt_.basis_bits == 32) {
-        std::memcpy(&s, sd + 4 * size_t(k), 4);
-      } else {
-        f16_t hk;
-        std::memcpy(&hk, sd + 2 * size_t(k), 2);
-        s = f16_to_f32(hk);
-      }
-      var[k] = s * s;  // sigma_k^2 / B
-    }
+    const float* mu = dec_.data() + store_.index(req.il, req.kv_head, page) * dec_stride_;
+    const float* V = mu + d;                     // [r][d]
+    const float* var = V + size_t(r) * d;        // sigma_k^2 / B
     bytes += store_.blob_bytes();
     for (int g = 0; g < G; ++g) {
       const float* q = req.q + size_t(g) * d;

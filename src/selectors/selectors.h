@@ -65,9 +65,11 @@ class PageBlobStore {
   const uint8_t* blob(int il, int h, int32_t page) const { return data_.data() + index(il, h, page) * blob_bytes_; }
   bool has(int il, int h, int32_t page) const { return valid_[index(il, h, page)] != 0; }
   void set_valid(int il, int h, int32_t page) { valid_[index(il, h, page)] = 1; }
+  /// Slot of (il, h, page) in [layer][kv_head][page] order; slots() of them.
+  size_t index(int il, int h, int32_t page) const { return (size_t(il) * n_head_kv_ + h) * n_pages_ + page; }
+  size_t slots() const { return valid_.size(); }
 
  private:
-  size_t index(int il, int h, int32_t page) const { return (size_t(il) * n_head_kv_ + h) * n_pages_ + page; }
   int n_head_kv_ = 0, n_pages_ = 0;
   size_t blob_bytes_ = 0;
   std::vector<uint8_t> data_;   // [L][H][P][blob_bytes]
@@ -151,6 +153,11 @@ class SecondMomentSelector final : public EstimatingSelector {
   SummaryFormat fmt_;
   int d_ = 0;
   PageBlobStore store_;
+  // Every stored page decoded once at build time (centroid [d], directions [r][d], variances
+  // sigma_k^2 / B [r]: exactly the stored values), so the per-step estimate does not re-decode
+  // every page. bytes_read counts the stored format (page_bytes()).
+  size_t dec_stride_ = 0;
+  std::vector<float> dec_;  // [layer][kv_head][page][d + r * d + r]
 };
 
 /// Per-page half of a shared-basis summary: centroid mu_j (centroid_bits) and the coefficients
@@ -177,8 +184,18 @@ class SharedBasisPages {
                   std::vector<float>& log_mass) const;
 
  private:
+  /// Decoded copy of a stored page (exactly the values load() returns): centroid [d], then the
+  /// coefficients transposed, [rho][B].
+  const float* decoded(int il, int h, int32_t page) const {
+    return dec_.data() + store_.index(il, h, page) * dec_stride_;
+  }
   int rho_ = 0, B_ = 0, d_ = 0, coef_bits_ = 8, centroid_bits_ = 8;
   PageBlobStore store_;
+  // The stored pages decoded once at build time, so that the per-step Eq. 4 pass (and the
+  // probe's reconstruction) runs on floats without re-decoding every page each step. bytes_read
+  // still counts the stored format (page_bytes()); this is an evaluation-speed layout choice.
+  size_t dec_stride_ = 0;
+  std::vector<float> dec_;  // [layer][kv_head][page][d + rho * B]
 };
 
 /// `sequence-basis` (ShadowKV's scope): one rank-rho PCA basis per (layer, KV head) of this
@@ -197,12 +214,19 @@ class SequenceBasisSelector final : public EstimatingSelector {
   const SharedBasisPages& pages() const { return pages_; }
   /// The fitted basis [rho][d] of (il, h); empty before the first select() of that head.
   const std::vector<float>& basis(int il, int h) const { return basis_[size_t(il) * n_head_kv_ + h]; }
+  /// Fits every (layer, KV head) now on the full pages present; the first select() of a head keeps
+  /// that fit when the sequence still has the same full pages (the fit it would make), else refits.
+  void prepare_for_decode(const PagedKvCache& cache, const KvSequence& seq) override;
 
  private:
   void fit(const PagedKvCache& cache, const KvSequence& seq, int il, int h);
-  int n_head_kv_ = 0;
+  int n_layer_ = 0, n_head_kv_ = 0;
   SharedBasisPages pages_;
-  std::vector<std::vector<float>> basis_;  // [il * n_head_kv + h] -> [rho][d]; written only by head h's thread
+  // Per [il * n_head_kv + h], written only by head h's thread: the basis [rho][d], the number of
+  // full pages it was fit on, and whether a select() has used it (then it is never refit).
+  std::vector<std::vector<float>> basis_;
+  std::vector<int> fit_pages_;
+  std::vector<char> fit_used_;
 };
 
 /// `global-basis` (Loki's scope): the first rho rows of a basis calibrated offline per (layer, KV

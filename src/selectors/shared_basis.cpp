@@ -113,6 +113,8 @@ SharedBasisPages::SharedBasisPages(const KvCacheConfig& cfg, int rho, int coef_b
   f.coef_bits = coef_bits;
   f.centroid_bits = centroid_bits;
   store_ = PageBlobStore(cfg, shared_basis_page_bytes(f, B_, d_, rho));
+  dec_stride_ = size_t(d_) + size_t(rho_) * B_;
+  dec_.assign(store_.slots() * dec_stride_, 0.0f);
 }
 
 void SharedBasisPages::build(int il, int h, int32_t page, const float* keys, const float* basis) {
@@ -121,18 +123,34 @@ void SharedBasisPages::build(int il, int h, int32_t page, const float* keys, con
   for (int i = 0; i < B; ++i)
     for (int c = 0; c < d; ++c) mu[c] += keys[size_t(i) * d + c];
   for (int c = 0; c < d; ++c) mu[c] /= B;
-  std::vector<float> muf(mu.begin(), mu.end()), coef(rho);
+  // c_i = V (k_i - mu_j): coordinates of the centered key in the shared basis, in float64. The
+  // centered keys are transposed ([d][B]) so that the sum over channels (in channel order, as a
+  // plain dot product) runs for all B tokens at once.
+  std::vector<double> delta_t(size_t(d) * B), acc(B);
+  for (int i = 0; i < B; ++i)
+    for (int c = 0; c < d; ++c) delta_t[size_t(c) * B + i] = double(keys[size_t(i) * d + c]) - mu[c];
+  std::vector<float> muf(mu.begin(), mu.end()), coef(size_t(B) * rho);
+  for (int k = 0; k < rho; ++k) {
+    std::fill(acc.begin(), acc.end(), 0.0);
+    for (int c = 0; c < d; ++c) {
+      const double v = basis[size_t(k) * d + c];
+      const double* dc = &delta_t[size_t(c) * B];
+      for (int i = 0; i < B; ++i) acc[i] += v * dc[i];
+    }
+    for (int i = 0; i < B; ++i) coef[size_t(i) * rho + k] = float(acc[i]);
+  }
   uint8_t* blob = store_.blob(il, h, page);
   qvec::encode(muf.data(), d, centroid_bits_, blob, "centroid");
   const size_t mu_bytes = qvec::bytes(size_t(d), centroid_bits_), row_bytes = qvec::bytes(size_t(rho), coef_bits_);
+  for (int i = 0; i < B; ++i)
+    qvec::encode(&coef[size_t(i) * rho], rho, coef_bits_, blob + mu_bytes + size_t(i) * row_bytes, "coefficient row");
+  // The decoded copy: what load() returns, coefficients transposed.
+  float* dec = dec_.data() + store_.index(il, h, page) * dec_stride_;
+  qvec::decode(blob, d, centroid_bits_, dec);
+  std::vector<float> row(rho);
   for (int i = 0; i < B; ++i) {
-    // c_i = V (k_i - mu_j): coordinates of the centered key in the shared basis.
-    for (int k = 0; k < rho; ++k) {
-      double acc = 0.0;
-      for (int c = 0; c < d; ++c) acc += double(basis[size_t(k) * d + c]) * (double(keys[size_t(i) * d + c]) - mu[c]);
-      coef[k] = float(acc);
-    }
-    qvec::encode(coef.data(), rho, coef_bits_, blob + mu_bytes + size_t(i) * row_bytes, "coefficient row");
+    qvec::decode(blob + mu_bytes + size_t(i) * row_bytes, rho, coef_bits_, row.data());
+    for (int k = 0; k < rho; ++k) dec[d + size_t(k) * B + i] = row[k];
   }
   store_.set_valid(il, h, page);
 }
@@ -148,14 +166,20 @@ void SharedBasisPages::load(int il, int h, int32_t page, std::vector<float>& mu,
 
 bool SharedBasisPages::reconstruct(int il, int h, int32_t page, const float* basis, float* out) const {
   if (!basis || !store_.has(il, h, page)) return false;
-  std::vector<float> mu, coef;
-  load(il, h, page, mu, coef);
-  for (int i = 0; i < B_; ++i)
-    for (int c = 0; c < d_; ++c) {
-      float acc = mu[c];
-      for (int k = 0; k < rho_; ++k) acc += coef[size_t(i) * rho_ + k] * basis[size_t(k) * d_ + c];
-      out[size_t(i) * d_ + c] = acc;
+  const int B = B_, d = d_, rho = rho_;
+  const float* mu = decoded(il, h, page);
+  const float* coef_t = mu + d;  // [rho][B]
+  // k_i = mu + sum_k c_ik V_k, accumulated in k order, vectorized over channels.
+  for (int i = 0; i < B; ++i) {
+    float* row = out + size_t(i) * d;
+    std::copy_n(mu, d, row);
+    for (int k = 0; k < rho; ++k) {
+      const float cik = coef_t[size_t(k) * B + i];
+      const float* vk = basis + size_t(k) * d;
+#pragma omp simd
+      for (int c = 0; c < d; ++c) row[c] += cik * vk[c];
     }
+  }
   return true;
 }
 
@@ -176,14 +200,15 @@ size_t SharedBasisPages::estimate(const float* basis, const PagedKvCache& cache,
     }
   size_t bytes = 0;
   bool used_basis = false;
-  std::vector<float> mu, coef, keys, logits(B);
+  std::vector<float> keys, logits(B);
   for (int j = 0; j < n_pages; ++j) {
     const int32_t page = req.seq->page_table[j];
     if (!basis || !store_.has(req.il, req.kv_head, page) || page_tokens(*req.seq, j, B) != B) {
       bytes += exact_page_estimate(cache, req, j, /*max_logit=*/false, keys, log_mass.data());
       continue;
     }
-    load(req.il, req.kv_head, page, mu, coef);
+    const float* mu = decoded(req.il, req.kv_head, page);
+    const float* coef_t = mu + d;  // [rho][B]
     bytes += store_.blob_bytes();
     used_basis = true;
     for (int g = 0; g < G; ++g) {
@@ -192,17 +217,18 @@ size_t SharedBasisPages::estimate(const float* basis, const PagedKvCache& cache,
       float a = 0.0f;
 #pragma omp simd reduction(+ : a)
       for (int c = 0; c < d; ++c) a += q[c] * mu[c];
-      float mx = kNegInf;
-      for (int i = 0; i < B; ++i) {
-        float acc = a;
-#pragma omp simd reduction(+ : acc)
-        for (int k = 0; k < rho; ++k) acc += w[k] * coef[size_t(i) * rho + k];
-        logits[i] = acc * scale;
-        mx = std::max(mx, logits[i]);
+      // logits_i = (q.mu + sum_k w_k c_ik) / sqrt(d), accumulated in k order for all B tokens.
+      float* lg = logits.data();
+      for (int i = 0; i < B; ++i) lg[i] = a;
+      for (int k = 0; k < rho; ++k) {
+        const float wk = w[k];
+        const float* ck = coef_t + size_t(k) * B;
+#pragma omp simd
+        for (int i = 0; i < B; ++i) lg[i] += wk * ck[i];
       }
-      float l = 0.0f;
-      for (int i = 0; i < B; ++i) l += fast_exp(logits[i] - mx);
-      log_mass[size_t(g) * n_pages + j] = mx + std::log(l);
+      for (int i = 0; i < B; ++i) lg[i] *= scale;
+      const float mx = max_of(lg, B);
+      log_mass[size_t(g) * n_pages + j] = mx + std::log(exp_shift_sum(lg, B, mx));
     }
   }
   if (used_basis) bytes += size_t(rho) * d * 4;  // the shared basis, float32, once per step
