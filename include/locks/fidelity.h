@@ -62,6 +62,17 @@ class FidelityProbe {
   std::vector<int32_t> carrier_positions_;
   double threshold_;
   std::vector<FidelityStats> per_head_;
+  // A full page's reconstruction error k_hat_i - k_i is fixed once the page is full and the
+  // selector has built its metadata (before its first select(), which precedes observe()), so it
+  // is computed once per (layer, KV head, page) and reused at every later step of the same
+  // selector. [il * n_head_kv + h] -> per page id: state (0 not seen, 1 error kept, 2 the selector
+  // keeps no reconstruction) and the error transposed, [d][B].
+  struct ReconErrors {
+    std::vector<char> state;
+    std::vector<float> diff_t;
+  };
+  const Selector* recon_owner_ = nullptr;
+  std::vector<ReconErrors> recon_;
 };
 
 /// Spearman rank correlation of two equal-length samples (average ranks for ties); NaN when either

@@ -84,18 +84,40 @@ void FidelityProbe::observe(const PagedKvCache& cache, const KvSequence& seq, co
 
   // Exact page log-mass s_j(q_g) for every page and head (reads all keys) and the selector's
   // per-token reconstruction where it has one.
-  std::vector<float> exact(size_t(G) * n_pages), keys(size_t(B) * d), recon(size_t(B) * d), diff_t(size_t(d) * B);
+  const size_t block = size_t(d) * B;
+#pragma omp critical(locks_fidelity_probe)
+  {
+    if (recon_owner_ != &selector) {  // reconstruction errors belong to one selector
+      recon_.clear();
+      recon_owner_ = &selector;
+    }
+    if (recon_.size() < size_t(cfg.n_layer) * cfg.n_head_kv) recon_.resize(size_t(cfg.n_layer) * cfg.n_head_kv);
+  }
+  ReconErrors& rec = recon_[slot];  // only this (layer, KV head)'s thread touches it
+  if (rec.state.empty()) rec.state.assign(size_t(cfg.n_pages), 0);
+
+  std::vector<float> exact(size_t(G) * n_pages), keys(size_t(B) * d), recon(size_t(B) * d);
   std::vector<double> e(B);
   for (int j = 0; j < n_pages; ++j) {
     const int n_tok = page_tokens(seq, j, B);
-    cache.k_page_f32(il, seq.page_table[j], kv_head, keys.data());
+    const int32_t page = seq.page_table[j];
+    cache.k_page_f32(il, page, kv_head, keys.data());
     for (int g = 0; g < G; ++g)
       exact[size_t(g) * n_pages + j] = exact_log_mass(keys.data(), n_tok, q + size_t(g) * d, d, scale);
-    if (n_tok == B && selector.reconstruct_keys(il, kv_head, seq.page_table[j], recon.data())) {
-      // e_i = q_g.(k_hat_i - k_i) in float64, summed in channel order; the differences are
-      // transposed ([d][B]) so that one pass over the channels serves all B tokens.
-      for (int i = 0; i < B; ++i)
-        for (int c = 0; c < d; ++c) diff_t[size_t(c) * B + i] = recon[size_t(i) * d + c] - keys[size_t(i) * d + c];
+    if (n_tok == B && rec.state[page] == 0) {
+      rec.state[page] = 2;
+      if (selector.reconstruct_keys(il, kv_head, page, recon.data())) {
+        if (rec.diff_t.empty()) rec.diff_t.assign(size_t(cfg.n_pages) * block, 0.0f);
+        float* diff_t = &rec.diff_t[size_t(page) * block];  // [d][B]
+        for (int i = 0; i < B; ++i)
+          for (int c = 0; c < d; ++c) diff_t[size_t(c) * B + i] = recon[size_t(i) * d + c] - keys[size_t(i) * d + c];
+        rec.state[page] = 1;
+      }
+    }
+    if (n_tok == B && rec.state[page] == 1) {
+      // e_i = q_g.(k_hat_i - k_i) in float64, summed in channel order; the errors are transposed
+      // ([d][B]) so that one pass over the channels serves all B tokens.
+      const float* diff_t = &rec.diff_t[size_t(page) * block];
       for (int g = 0; g < G; ++g) {
         std::fill(e.begin(), e.end(), 0.0);
         for (int c = 0; c < d; ++c) {

@@ -183,6 +183,42 @@ bool SharedBasisPages::reconstruct(int il, int h, int32_t page, const float* bas
   return true;
 }
 
+namespace {
+
+float dot_f32(const float* x, const float* y, int n) {
+  float a = 0.0f;
+#pragma omp simd reduction(+ : a)
+  for (int c = 0; c < n; ++c) a += x[c] * y[c];
+  return a;
+}
+
+// Eq. 4 for one page of 16 tokens and ng <= 4 heads: logits_gi = (a_g + sum_k w_gk c_ik) * scale
+// (k in order, fused multiply-add, as the generic loop compiles), then max + log(sum exp) with the
+// summation order of exp_shift_sum. coef_t [rho][16], w [ng][rho]; out[g * out_stride].
+void eq4_logsumexp16(const float* coef_t, int rho, const float* w, int ng, const float* a, float scale, float* out,
+                     size_t out_stride) {
+  __m256 lo[4], hi[4];
+  for (int g = 0; g < ng; ++g) lo[g] = hi[g] = _mm256_set1_ps(a[g]);
+  for (int k = 0; k < rho; ++k) {
+    const __m256 c0 = _mm256_loadu_ps(coef_t + size_t(k) * 16), c1 = _mm256_loadu_ps(coef_t + size_t(k) * 16 + 8);
+    for (int g = 0; g < ng; ++g) {
+      const __m256 wk = _mm256_set1_ps(w[size_t(g) * rho + k]);
+      lo[g] = _mm256_fmadd_ps(wk, c0, lo[g]);
+      hi[g] = _mm256_fmadd_ps(wk, c1, hi[g]);
+    }
+  }
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int g = 0; g < ng; ++g) {
+    alignas(32) float lg[16];
+    _mm256_store_ps(lg, _mm256_mul_ps(lo[g], sc));
+    _mm256_store_ps(lg + 8, _mm256_mul_ps(hi[g], sc));
+    const float mx = max_of(lg, 16);
+    out[size_t(g) * out_stride] = mx + std::log(exp_shift_sum(lg, 16, mx));
+  }
+}
+
+}  // namespace
+
 size_t SharedBasisPages::estimate(const float* basis, const PagedKvCache& cache, const SelectionRequest& req,
                                   std::vector<float>& log_mass) const {
   const int d = d_, B = B_, rho = rho_, n_pages = req.seq->n_pages(), G = req.n_group;
@@ -211,12 +247,20 @@ size_t SharedBasisPages::estimate(const float* basis, const PagedKvCache& cache,
     const float* coef_t = mu + d;  // [rho][B]
     bytes += store_.blob_bytes();
     used_basis = true;
+    if (B == 16) {  // the shipped page size: all G heads per pass over the coefficients
+      for (int g0 = 0; g0 < G; g0 += 4) {
+        const int ng = std::min(4, G - g0);
+        float a[4];
+        for (int t = 0; t < ng; ++t) a[t] = dot_f32(req.q + size_t(g0 + t) * d, mu, d);
+        eq4_logsumexp16(coef_t, rho, &wq[size_t(g0) * rho], ng, a, scale, &log_mass[size_t(g0) * n_pages + j],
+                        size_t(n_pages));
+      }
+      continue;
+    }
     for (int g = 0; g < G; ++g) {
       const float* q = req.q + size_t(g) * d;
       const float* w = &wq[size_t(g) * rho];
-      float a = 0.0f;
-#pragma omp simd reduction(+ : a)
-      for (int c = 0; c < d; ++c) a += q[c] * mu[c];
+      const float a = dot_f32(q, mu, d);
       // logits_i = (q.mu + sum_k w_k c_ik) / sqrt(d), accumulated in k order for all B tokens.
       float* lg = logits.data();
       for (int i = 0; i < B; ++i) lg[i] = a;
