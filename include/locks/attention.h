@@ -25,7 +25,9 @@ void paged_decode_attention(const PagedKvCache& cache, int il, int kv_head, cons
 /// O(block), never O(T^2). Parallel over (KV head, query block).
 ///   q:   [n_q][n_head][head_dim] float32 (post-RoPE); n_head = n_head_kv * G
 ///   out: [n_q][n_head][head_dim] float32
+///   first_query: rows of query blocks that end before it may be skipped (their `out` rows are
+///   left as they were); the blocks are the same for any value, so computed rows do not change.
 void paged_prefill_attention(const PagedKvCache& cache, int il, const KvSequence& seq, int32_t pos0, int n_q,
-                             const float* q, int n_head, float scale, float* out);
+                             const float* q, int n_head, float scale, float* out, int first_query = 0);
 
 }  // namespace locks

@@ -19,7 +19,7 @@ constexpr int kKeyBlockPages = 8;    // pages per key block (128 tokens at B = 1
 }  // namespace
 
 void paged_prefill_attention(const PagedKvCache& cache, int il, const KvSequence& seq, int32_t pos0, int n_q,
-                             const float* q, int n_head, float scale, float* out) {
+                             const float* q, int n_head, float scale, float* out, int first_query) {
   const auto& cfg = cache.config();
   const int d = cfg.head_dim, B = cfg.page_size, H = cfg.n_head_kv;
   const int G = n_head / H;
@@ -34,6 +34,7 @@ void paged_prefill_attention(const PagedKvCache& cache, int il, const KvSequence
     for (int task = n_tasks - 1; task >= 0; --task) {  // late (long) blocks first for balance
       const int h = task % H, qb = task / H;
       const int t0 = qb * kQueryBlock, tq = std::min(kQueryBlock, n_q - t0);
+      if (t0 + tq <= first_query) continue;  // no row of this block is wanted
       const int rows = tq * G;
       Q.resize(rows, d);
       for (int t = 0; t < tq; ++t)

@@ -205,7 +205,10 @@ void Session::forward(std::span<const int32_t> tokens, bool decode_step) {
     if (!filled.empty()) selector_->on_pages_filled(cache_, il, filled);  // Alg. 1, batched
 
     if (!decode_step) {
-      paged_prefill_attention(cache_, il, seq_, pos0, T, q.data(), NH, scale, att.data());
+      // The last layer's outputs feed only the last token's logits: its other rows' attention is
+      // skipped (those rows of att keep stale values; what follows is row-wise and unused).
+      const int first_query = il == hp.n_layer - 1 ? T - 1 : 0;
+      paged_prefill_attention(cache_, il, seq_, pos0, T, q.data(), NH, scale, att.data(), first_query);
     } else {
       // Alg. 2 per GQA group: select pages from the group's queries, then exact attention over them.
       std::vector<Selection> sel(NKV);
