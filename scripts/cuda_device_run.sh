@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent H200 from the repository root, with build-cuda/dist carried (scripts/cuda_dist.sh).
-#   scripts/cuda_device_run.sh STAGE...   stages: info tests memcheck racecheck bench1 sdpa1 bench sdpa
+#   scripts/cuda_device_run.sh STAGE...   stages: info tests memcheck racecheck bench1 sdpa1 bench sdpa ncu
+#                                          ncuscore patterns sass
 # Logs and CSVs go to $OUT. Each stage has its own time limit so the whole call ends in time.
 set -u
 OUT=${OUT:-/tmp/locks-out}
@@ -58,6 +59,27 @@ for stage in "$@"; do
         > "$OUT/ncu.log" 2>&1; echo "ncu rc=$?"
       grep -E "^  [a-z_:<>0-9, ]*(score|attention|select|share)|DRAM Throughput|Memory Throughput|Duration|Compute \(SM\) Th|Issue Slots|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Grid Size" \
         "$OUT/ncu.log" | head -70 ;;
+    ncuscore)  # stall reasons and hot spots of the score kernel (1M tokens, 4 KV heads, batch 1)
+      NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      timeout 150 "$NCU" --clock-control none -k regex:'score_kernel' -c 1 \
+        --section WarpStateStats --section SchedulerStats --section SourceCounters --section SpeedOfLight \
+        --print-details all "$DIST/bin/locks" bench --device cuda --contexts 1048576 --kv-heads 4 --group 8 \
+        --head-dim 128 --batches 1 --runs 1 > "$OUT/ncuscore.log" 2>&1; echo "ncu rc=$?"
+      grep -E "Duration|Stall [A-Z]|Issued Warp|Eligible Warps" "$OUT/ncuscore.log" | head -30
+      sed -n '/Warp Stall Sampling (All Samples)/,+3p' "$OUT/ncuscore.log" | head -5 ;;
+    ncusrc)  # per-instruction stall samples of one kernel (KERNEL regex, default select) at 1M tokens, 4 KV heads
+      NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      timeout 150 "$NCU" --clock-control none -k regex:"${KERNEL:-select_kernel}" --launch-skip "${SKIP:-1}" -c 1 \
+        --section SourceCounters $("$NCU" --help | grep -q warp-sampling-interval && echo --warp-sampling-interval 0) --page source --csv --print-source sass "$DIST/bin/locks" bench \
+        --device cuda --contexts 1048576 --kv-heads 4 --group 8 --head-dim 128 --batches 1 --runs 1 \
+        > "$OUT/ncusrc_${KERNEL:-select_kernel}.csv" 2>&1
+      echo "ncu rc=$?" ;;
+    patterns)  # read-bandwidth ceilings of the score pass's access pattern (bench/cuda_read_patterns.cu)
+      timeout 60 "$DIST/bin/read_patterns" 2>&1 | tee "$OUT/read_patterns.log" ;;
+    sass)  # SASS of the score kernel, for instruction counts
+      CUOBJ=$(command -v cuobjdump || ls /usr/local/cuda*/bin/cuobjdump 2>/dev/null | head -1)
+      "$CUOBJ" -sass "$DIST/bin/locks" | awk '/Function : .*score_kernel/ {on=1} /Function : / && !/score_kernel/ {on=0} on' \
+        > "$OUT/score_sass.txt"; wc -l "$OUT/score_sass.txt" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

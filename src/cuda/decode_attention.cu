@@ -94,6 +94,11 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
   }
 
   if (early) pdl_wait();
+  // Sparse: this warp's first list entry is read together with the list length (one round trip
+  // instead of two; the entry is in bounds of the list buffer and only used if the list reaches it).
+  const int32_t* sel = sparse ? p.selected + bh * p.selected_stride : nullptr;
+  const int li_first = s * p.pages_per_split + warp;
+  const int j_first = (sparse && li_first < p.selected_stride) ? __ldg(sel + li_first) : li_first;
   const int n_list = n_pages <= 0 ? 0 : (sparse ? p.n_selected[bh] : n_pages);
   const int pps = p.pages_per_split;
   const int active = (n_list + pps - 1) / pps;
@@ -118,13 +123,12 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
 
   const uint16_t* kpool = static_cast<const uint16_t*>(p.kv.k);
   const uint16_t* vpool = static_cast<const uint16_t*>(p.kv.v);
-  const int32_t* sel = sparse ? p.selected + bh * p.selected_stride : nullptr;
   const int32_t* idx = p.kv.indices + pbeg;
   const int list1 = min((s + 1) * pps, n_list);
 
   // Page at list entry li: position j, its page id and its valid token count.
   auto page_of = [&](int li, size_t& off, int& len) {
-    const int j = sparse ? __ldg(sel + li) : li;
+    const int j = li == li_first ? j_first : sparse ? __ldg(sel + li) : li;
     const int32_t id = __ldg(idx + j);
     len = j == n_pages - 1 ? last_len : kPageSize;
     off = (size_t(id) * H + h) * size_t(kPageSize) * D;

@@ -219,11 +219,11 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectParams p) 
   __syncthreads();
 
   // Pages above the threshold bin are in; the threshold bin's pages are candidates. Keys are read
-  // 4 at a time with 4 loads in flight per thread (positions 0, n-1 and >= n are skipped).
+  // 4 at a time with 8 loads in flight per thread (positions 0, n-1 and >= n are skipped).
   {
     const uint4* k4 = reinterpret_cast<const uint4*>(keys);
     const int n4 = (n + 3) / 4;
-    constexpr int U = 4;
+    constexpr int U = 8;  // one round of loads covers 32K keys: the scan is load-latency bound
     for (int base = threadIdx.x; base < n4; base += kSelectThreads * U) {
       uint4 v[U];
 #pragma unroll
