@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent H200 from the repository root, with build-cuda/dist carried (scripts/cuda_dist.sh).
 #   scripts/cuda_device_run.sh STAGE...   stages: info tests memcheck racecheck bench1 sdpa1 bench sdpa ncu
-#                                          ncuscore patterns sass
+#                                          ncuscore ncusrc ab patterns sass
 # Logs and CSVs go to $OUT. Each stage has its own time limit so the whole call ends in time.
 set -u
 OUT=${OUT:-/tmp/locks-out}
@@ -74,6 +74,16 @@ for stage in "$@"; do
         --device cuda --contexts 1048576 --kv-heads 4 --group 8 --head-dim 128 --batches 1 --runs 1 \
         > "$OUT/ncusrc_${KERNEL:-select_kernel}.csv" 2>&1
       echo "ncu rc=$?" ;;
+    ab)  # A/B: dist/bin/locks_a (previous build) vs dist/bin/locks, same shapes, alternating, one call
+      for r in 1 2; do for v in locks_a locks; do
+        [ -x "$DIST/bin/$v" ] || continue
+        timeout 60 "$DIST/bin/$v" bench --device cuda --contexts 1048576 --kv-heads 4 --group 8 --head-dim 128 \
+          --batches 1,8 --runs 15 2>&1 | grep -E "^\| custom" | sed "s/^/$v kv4 /"
+        timeout 60 "$DIST/bin/$v" bench --device cuda --contexts 262144 --kv-heads 8 --group 4 --head-dim 128 \
+          --batches 1 --runs 15 2>&1 | grep -E "^\| custom" | sed "s/^/$v llama /"
+        timeout 60 "$DIST/bin/$v" bench --device cuda --contexts 1048576 --kv-heads 2 --group 16 --head-dim 128 \
+          --batches 1 --runs 15 2>&1 | grep -E "^\| custom" | sed "s/^/$v kv2 /"
+      done; done ;;
     patterns)  # read-bandwidth ceilings of the score pass's access pattern (bench/cuda_read_patterns.cu)
       timeout 60 "$DIST/bin/read_patterns" 2>&1 | tee "$OUT/read_patterns.log" ;;
     sass)  # SASS of the score kernel, for instruction counts

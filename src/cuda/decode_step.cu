@@ -166,6 +166,25 @@ template <class T>
 T* at(void* ws, size_t off) {
   return reinterpret_cast<T*>(static_cast<char*>(ws) + off);
 }
+
+// The attention launch of a step (sparse: the plan's sparse splits, without the selection, which
+// the caller fills in; dense: every page).
+AttentionParams step_attention_params(const DecodePlan& plan, const DecodeStepParams& p, bool sparse) {
+  AttentionParams ap;
+  ap.q = p.q;
+  ap.kv = p.kv;
+  ap.group = plan.shape.group;
+  ap.scale = p.scale;
+  ap.pages_per_split = sparse ? plan.sparse_pages_per_split : plan.dense_pages_per_split;
+  ap.n_splits = sparse ? plan.sparse_splits : plan.dense_splits;
+  ap.o = p.o;
+  ap.lse = p.lse;
+  ap.partial_o = at<float>(p.workspace, plan.off_partial_o);
+  ap.partial_lse = at<float>(p.workspace, plan.off_partial_lse);
+  ap.counters = at<uint32_t>(p.workspace, sparse ? plan.off_counters_sparse : plan.off_counters_dense);
+  ap.pdl = plan.pdl;
+  return ap;
+}
 }  // namespace
 
 cudaError_t locks_decode_step(const DecodePlan& plan, const DecodeStepParams& p, cudaStream_t stream) {
@@ -208,42 +227,16 @@ cudaError_t locks_decode_step(const DecodePlan& plan, const DecodeStepParams& p,
   e = select_pages(se, stream);
   if (e != cudaSuccess) return e;
 
-  AttentionParams ap;
-  ap.q = p.q;
-  ap.kv = p.kv;
-  ap.group = sh.group;
-  ap.scale = p.scale;
+  AttentionParams ap = step_attention_params(plan, p, /*sparse=*/true);
   ap.selected = se.selected;
   ap.n_selected = se.n_selected;
   ap.selected_stride = sh.budget_pages;
-  ap.pages_per_split = plan.sparse_pages_per_split;
-  ap.n_splits = plan.sparse_splits;
-  ap.o = p.o;
-  ap.lse = p.lse;
-  ap.partial_o = at<float>(p.workspace, plan.off_partial_o);
-  ap.partial_lse = at<float>(p.workspace, plan.off_partial_lse);
-  ap.counters = at<uint32_t>(p.workspace, plan.off_counters_sparse);
-  ap.pdl = plan.pdl;
   ap.pdl_early_reads = plan.pdl;  // its predecessor is select_pages, which writes only the selection
   return paged_decode_attention(ap, stream);
 }
 
 cudaError_t dense_decode_step(const DecodePlan& plan, const DecodeStepParams& p, cudaStream_t stream) {
-  const DecodeShape& sh = plan.shape;
-  AttentionParams ap;
-  ap.q = p.q;
-  ap.kv = p.kv;
-  ap.group = sh.group;
-  ap.scale = p.scale;
-  ap.pages_per_split = plan.dense_pages_per_split;
-  ap.n_splits = plan.dense_splits;
-  ap.o = p.o;
-  ap.lse = p.lse;
-  ap.partial_o = at<float>(p.workspace, plan.off_partial_o);
-  ap.partial_lse = at<float>(p.workspace, plan.off_partial_lse);
-  ap.counters = at<uint32_t>(p.workspace, plan.off_counters_dense);
-  ap.pdl = plan.pdl;
-  return paged_decode_attention(ap, stream);
+  return paged_decode_attention(step_attention_params(plan, p, /*sparse=*/false), stream);
 }
 
 }  // namespace locks::cuda
