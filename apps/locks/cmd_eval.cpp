@@ -33,6 +33,8 @@ Runner add_eval(CLI::App& app) {
                      }())
       ->delimiter(',')->capture_default_str();
   app.add_flag("!--no-fidelity", c->fidelity, "skip the per-step fidelity chain (faster)");
+  app.add_flag("!--separate-contexts", c->share_contexts,
+               "give multikey its own contexts (default: it asks the first question of each multiquery context)");
   app.add_option("--locality-contexts", c->locality_contexts, "contexts per length measured for the locality finding")
       ->check(CLI::Range(0, 100000))->capture_default_str();
   app.add_option("--continuation-tokens", c->continuation_tokens, "teacher-forced tokens of the continuation task")

@@ -1,7 +1,9 @@
 // `locks eval`: one harness for every selector on real held-out text (the paper's Sec. 5).
 // Each context is prefilled once (dense, as in the paper); every selector x budget forks that
 // prefilled sequence and pushes the questions and answers through decode, teacher-forced, scoring
-// exact match, while a FidelityProbe measures the per-step chain at the answer steps.
+// exact match, while a FidelityProbe measures the per-step chain at the answer steps. With both
+// multikey and multiquery, one four-needle context serves both (multikey asks its first question).
+// The forks of a context run in parallel, one per thread.
 #pragma once
 
 #include <cstdint>
@@ -40,6 +42,7 @@ struct EvalConfig {
   bool fidelity = true;                    // FidelityProbe at answer steps
   int locality_contexts = 3;               // contexts per length measured for the locality finding
   int continuation_tokens = 64;            // teacher-forced tokens of the continuation task
+  bool share_contexts = true;              // multikey = the first question of each multiquery context
   std::string out_dir = "eval-out";
 };
 

@@ -7,6 +7,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <numeric>
 #include <set>
 #include <stdexcept>
 
@@ -254,11 +255,42 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg, const std::function<void(in
     rows.push_back(row);
   };
 
+  // multikey asks the first question of a multiquery context (four needles either way), so with
+  // both families one prefill serves two tasks: paired contexts, a third fewer prefills.
+  const auto has = [&](NeedleFamily f) { return std::find(families.begin(), families.end(), f) != families.end(); };
+  const bool share = cfg.share_contexts && has(NeedleFamily::kMultiKey) && has(NeedleFamily::kMultiQuery);
+  // Forks of one context run in parallel, one per core, each single-threaded (nested OpenMP
+  // regions inside decode run on one thread): a decode step of this small model does not keep two
+  // threads busy, two forks do. Rows are written in the sequential order.
+  struct Job {
+    const NeedleTask* task;
+    const SelectorSpec* spec;
+    const Selector* prepared;
+    int budget;
+    EvalRow row;
+  };
+
+  NeedleFamily loc_family = NeedleFamily::kSingle;  // the locality finding uses the first family run
+  for (NeedleFamily f : families)
+    if (!(share && f == NeedleFamily::kMultiKey)) {
+      loc_family = f;
+      break;
+    }
+
   for (int len : cfg.lengths) {
     for (NeedleFamily fam : families) {
+      if (share && fam == NeedleFamily::kMultiKey) continue;  // runs with multiquery
       for (int c = 0; c < cfg.contexts; ++c) {
         const uint64_t task_seed = cfg.seed * 1000003ull + uint64_t(len) * 31ull + uint64_t(fam) * 7919ull + c;
-        const NeedleTask task = make_needle_task(docs, model.tokenizer, fam, len, task_seed);
+        std::vector<NeedleTask> tasks;
+        tasks.push_back(make_needle_task(docs, model.tokenizer, fam, len, task_seed));
+        if (share && fam == NeedleFamily::kMultiQuery) {
+          NeedleTask mk = tasks.front();
+          mk.family = NeedleFamily::kMultiKey;
+          mk.questions.resize(1);
+          tasks.insert(tasks.begin(), std::move(mk));
+        }
+        const NeedleTask& task = tasks.back();  // the one with every question: sizes the context
         if (progress)
           progress(done, total, fmt::format("{} {} ctx {}: prefill {} tokens", needle_family_name(fam), len, c,
                                             task.context_ids.size()));
@@ -266,30 +298,62 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg, const std::function<void(in
         base_cfg.n_ctx = task.total_tokens() + 16;
         Session base(model, base_cfg);
         base.prefill(task.context_ids);  // dense prefill, shared by every selector
-        if (c < cfg.locality_contexts && fam == families.front())
+        if (c < cfg.locality_contexts && fam == loc_family)
           locality[len].push_back(measure_locality(base.cache(), base.sequence(), loc_ranks, global.get()));
-        EvalRow proto;
-        proto.family = needle_family_name(fam);
-        proto.length = len;
-        proto.context = c;
-        proto.task_seed = task_seed;
-        proto.prompt_tokens = int(task.context_ids.size());
+        // Selector metadata is built once per context (it does not depend on the budget or the task).
+        std::vector<std::unique_ptr<Selector>> prepared;
+        std::vector<Job> jobs;
         for (const auto& spec : specs) {
           const std::vector<int> budgets = budget_free(spec.name) ? std::vector<int>{0} : cfg.budgets;
-          const auto prepared = base.prepare_selector(fork_config(spec, budgets.front()));
-          for (int b : budgets)
-            run_config(spec, b, base, *prepared, proto, [&](Session& s, EvalRow& row) {
-              std::unique_ptr<FidelityProbe> probe;
-              if (cfg.fidelity && !budget_free(spec.name)) {
-                probe = std::make_unique<FidelityProbe>();
-                s.set_probe(probe.get());
-              }
-              answer_questions(s, task, probe.get(), row);
-              fill_fidelity(probe.get(), row);
-              s.set_probe(nullptr);
-            });
+          prepared.push_back(base.prepare_selector(fork_config(spec, budgets.front())));
         }
-        ++done;
+        for (const auto& t : tasks)
+          for (size_t si = 0; si < specs.size(); ++si)
+            for (int b : budget_free(specs[si].name) ? std::vector<int>{0} : cfg.budgets) {
+              EvalRow row;
+              row.family = needle_family_name(t.family);
+              row.length = len;
+              row.context = c;
+              row.task_seed = task_seed;
+              row.prompt_tokens = int(t.context_ids.size());
+              row.selector = specs[si].label;
+              row.budget = b;
+              jobs.push_back(Job{&t, &specs[si], prepared[si].get(), b, row});
+            }
+        std::vector<std::string> errors(jobs.size());
+        // Longest first (two questions before one), so the last forks of a context finish together.
+        std::vector<int> order(jobs.size());
+        std::iota(order.begin(), order.end(), 0);
+        std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+          return jobs[size_t(a)].task->questions.size() > jobs[size_t(b)].task->questions.size();
+        });
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int k = 0; k < int(jobs.size()); ++k) {
+          const int i = order[size_t(k)];
+          Job& j = jobs[size_t(i)];
+          try {
+            Session s = base.fork(fork_config(*j.spec, j.budget), *j.prepared);
+            std::unique_ptr<FidelityProbe> probe;
+            if (cfg.fidelity && !budget_free(j.spec->name)) {
+              probe = std::make_unique<FidelityProbe>();
+              s.set_probe(probe.get());
+            }
+            answer_questions(s, *j.task, probe.get(), j.row);
+            fill_fidelity(probe.get(), j.row);
+            s.set_probe(nullptr);
+            fill_efficiency(s, j.row);
+          } catch (const std::exception& e) {
+            errors[size_t(i)] = e.what();
+          }
+        }
+        for (const auto& e : errors)
+          if (!e.empty()) throw std::runtime_error(e);
+        for (const auto& j : jobs) {
+          csv << csv_row(j.row) << "\n";
+          rows.push_back(j.row);
+        }
+        csv << std::flush;
+        done += int(tasks.size());
       }
     }
     if (continuation) {

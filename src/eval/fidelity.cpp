@@ -96,14 +96,45 @@ void FidelityProbe::observe(const PagedKvCache& cache, const KvSequence& seq, co
   ReconErrors& rec = recon_[slot];  // only this (layer, KV head)'s thread touches it
   if (rec.state.empty()) rec.state.assign(size_t(cfg.n_pages), 0);
 
-  std::vector<float> exact(size_t(G) * n_pages), keys(size_t(B) * d), recon(size_t(B) * d);
+  // One pass over the pages gives both the exact page log-mass and the dense attention output o: the
+  // logits are computed once and used exactly as exact_log_mass and paged_decode_attention use them
+  // (same loops, same order), so both results are bit-identical to those functions'.
+  std::vector<float> exact(size_t(G) * n_pages), keys(size_t(B) * d), vals(size_t(B) * d), recon(size_t(B) * d);
+  std::vector<float> o(size_t(G) * d, 0.0f), logits(B);
+  std::vector<SoftmaxState> dense(G);
   std::vector<double> e(B);
   for (int j = 0; j < n_pages; ++j) {
     const int n_tok = page_tokens(seq, j, B);
     const int32_t page = seq.page_table[j];
     cache.k_page_f32(il, page, kv_head, keys.data());
-    for (int g = 0; g < G; ++g)
-      exact[size_t(g) * n_pages + j] = exact_log_mass(keys.data(), n_tok, q + size_t(g) * d, d, scale);
+    cache.v_page_f32(il, page, kv_head, vals.data());
+    for (int g = 0; g < G; ++g) {
+      const float* qg = q + size_t(g) * d;
+      float mx = kNegInf;
+      for (int i = 0; i < n_tok; ++i) {
+        const float* k = keys.data() + size_t(i) * d;
+        float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+        for (int c = 0; c < d; ++c) acc += qg[c] * k[c];
+        logits[i] = acc * scale;
+        mx = std::max(mx, logits[i]);
+      }
+      SoftmaxState& sm = dense[g];  // online softmax over pages 0..n-1, as paged_decode_attention
+      const float m_new = std::max(sm.m, mx);
+      const float corr = sm.m == kNegInf ? 0.0f : fast_exp(sm.m - m_new);
+      float* og = o.data() + size_t(g) * d;
+      for (int x = 0; x < d; ++x) og[x] *= corr;
+      float l = sm.l * corr;
+      for (int i = 0; i < n_tok; ++i) {
+        const float pi = fast_exp(logits[i] - m_new);
+        l += pi;
+        for (int x = 0; x < d; ++x) og[x] += pi * vals[size_t(i) * d + x];
+      }
+      sm.m = m_new;
+      sm.l = l;
+      // Last: exp_shift_sum overwrites the logits with their exponentials.
+      exact[size_t(g) * n_pages + j] = n_tok > 0 ? mx + std::log(exp_shift_sum(logits.data(), n_tok, mx)) : kNegInf;
+    }
     if (n_tok == B && rec.state[page] == 0) {
       rec.state[page] = 2;
       if (selector.reconstruct_keys(il, kv_head, page, recon.data())) {
@@ -192,10 +223,12 @@ void FidelityProbe::observe(const PagedKvCache& cache, const KvSequence& seq, co
   }
 
   // Output error of attention restricted to S against dense attention (Eq. 1's left side).
-  std::vector<int32_t> all(n_pages);
-  std::iota(all.begin(), all.end(), 0);
-  std::vector<float> o(size_t(G) * d), os(size_t(G) * d);
-  paged_decode_attention(cache, il, kv_head, seq, all, q, G, scale, o.data(), nullptr);
+  for (int g = 0; g < G; ++g) {
+    float* og = o.data() + size_t(g) * d;
+    const float inv = dense[g].l > 0.0f ? 1.0f / dense[g].l : 0.0f;
+    for (int x = 0; x < d; ++x) og[x] *= inv;
+  }
+  std::vector<float> os(size_t(G) * d);
   paged_decode_attention(cache, il, kv_head, seq, sel.pages, q, G, scale, os.data(), nullptr);
   for (int g = 0; g < G; ++g) {
     double num = 0, den = 0;
