@@ -81,7 +81,12 @@ void fill_fidelity(const FidelityProbe* probe, EvalRow& row) {
 // Questions and answers through decode, teacher-forced: the answer counts as right when the argmax
 // at every answer position is the answer token (equivalent to greedy generation reproducing it).
 // The probe (if any) observes the answer steps only, with the asked needle's value as carrier.
-void answer_questions(Session& s, const NeedleTask& task, FidelityProbe* probe, EvalRow& row) {
+// Pushes every question and answer through decode, scoring the answers. With `first_only`, also
+// fills it as if the task had only its first question (what a run of that task would have done up
+// to its end: the state just before the first answer's last token is decoded), so one run serves a
+// task and its one-question prefix.
+void answer_questions(Session& s, const NeedleTask& task, FidelityProbe* probe, EvalRow& row,
+                      EvalRow* first_only = nullptr) {
   const std::vector<float>* logits = nullptr;
   for (size_t qi = 0; qi < task.questions.size(); ++qi) {
     const NeedleQuestion& q = task.questions[qi];
@@ -96,6 +101,13 @@ void answer_questions(Session& s, const NeedleTask& task, FidelityProbe* probe, 
     for (size_t i = 0; i < q.answer_ids.size(); ++i) {
       row.answer_tokens += 1;
       row.answer_tokens_correct += argmax(*logits) == q.answer_ids[i] ? 1 : 0;
+      if (first_only && qi == 0 && i + 1 == q.answer_ids.size()) {
+        first_only->answer_tokens = row.answer_tokens;
+        first_only->answer_tokens_correct = row.answer_tokens_correct;
+        first_only->correct = row.answer_tokens_correct == row.answer_tokens;
+        fill_fidelity(probe, *first_only);
+        fill_efficiency(s, *first_only);
+      }
       const bool last = qi + 1 == task.questions.size() && i + 1 == q.answer_ids.size();
       if (!last) logits = &s.decode(q.answer_ids[i]);
     }
@@ -268,6 +280,7 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg, const std::function<void(in
     const Selector* prepared;
     int budget;
     EvalRow row;
+    EvalRow* prefix_row = nullptr;  // multikey: filled from this multiquery run's first question
   };
 
   NeedleFamily loc_family = NeedleFamily::kSingle;  // the locality finding uses the first family run
@@ -284,7 +297,8 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg, const std::function<void(in
         const uint64_t task_seed = cfg.seed * 1000003ull + uint64_t(len) * 31ull + uint64_t(fam) * 7919ull + c;
         std::vector<NeedleTask> tasks;
         tasks.push_back(make_needle_task(docs, model.tokenizer, fam, len, task_seed));
-        if (share && fam == NeedleFamily::kMultiQuery) {
+        const bool paired = share && fam == NeedleFamily::kMultiQuery;
+        if (paired) {  // multikey: the same context, its first question only
           NeedleTask mk = tasks.front();
           mk.family = NeedleFamily::kMultiKey;
           mk.questions.resize(1);
@@ -307,6 +321,10 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg, const std::function<void(in
           const std::vector<int> budgets = budget_free(spec.name) ? std::vector<int>{0} : cfg.budgets;
           prepared.push_back(base.prepare_selector(fork_config(spec, budgets.front())));
         }
+        // A multikey run is an exact prefix of the multiquery run on its context (same tokens, same
+        // decode steps, deterministic), so each multiquery fork also yields the multikey row.
+        std::vector<EvalRow> prefix_rows;
+        if (paired) prefix_rows.reserve(specs.size() * cfg.budgets.size() + specs.size());
         for (const auto& t : tasks)
           for (size_t si = 0; si < specs.size(); ++si)
             for (int b : budget_free(specs[si].name) ? std::vector<int>{0} : cfg.budgets) {
@@ -318,7 +336,12 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg, const std::function<void(in
               row.prompt_tokens = int(t.context_ids.size());
               row.selector = specs[si].label;
               row.budget = b;
+              if (paired && &t == &tasks.front()) {
+                prefix_rows.push_back(row);
+                continue;
+              }
               jobs.push_back(Job{&t, &specs[si], prepared[si].get(), b, row});
+              if (paired) jobs.back().prefix_row = &prefix_rows[jobs.size() - 1];
             }
         std::vector<std::string> errors(jobs.size());
         // Longest first (two questions before one), so the last forks of a context finish together.
@@ -338,7 +361,7 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg, const std::function<void(in
               probe = std::make_unique<FidelityProbe>();
               s.set_probe(probe.get());
             }
-            answer_questions(s, *j.task, probe.get(), j.row);
+            answer_questions(s, *j.task, probe.get(), j.row, j.prefix_row);
             fill_fidelity(probe.get(), j.row);
             s.set_probe(nullptr);
             fill_efficiency(s, j.row);
@@ -348,6 +371,10 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg, const std::function<void(in
         }
         for (const auto& e : errors)
           if (!e.empty()) throw std::runtime_error(e);
+        for (const auto& r : prefix_rows) {
+          csv << csv_row(r) << "\n";
+          rows.push_back(r);
+        }
         for (const auto& j : jobs) {
           csv << csv_row(j.row) << "\n";
           rows.push_back(j.row);
