@@ -43,6 +43,7 @@ struct EvalConfig {
   int locality_contexts = 3;               // contexts per length measured for the locality finding
   int continuation_tokens = 64;            // teacher-forced tokens of the continuation task
   bool share_contexts = true;              // multikey = the first question of each multiquery context
+  int fork_threads = 0;                    // forks of a context run at once (0: one per OpenMP thread)
   std::string out_dir = "eval-out";
 };
 

@@ -12,6 +12,7 @@
 #include <stdexcept>
 
 #include <fmt/format.h>
+#include <omp.h>
 
 #include "locks/fidelity.h"
 #include "locks/locality.h"
@@ -283,6 +284,7 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg, const std::function<void(in
     EvalRow* prefix_row = nullptr;  // multikey: filled from this multiquery run's first question
   };
 
+  const int fork_threads = cfg.fork_threads > 0 ? cfg.fork_threads : omp_get_max_threads();
   NeedleFamily loc_family = NeedleFamily::kSingle;  // the locality finding uses the first family run
   for (NeedleFamily f : families)
     if (!(share && f == NeedleFamily::kMultiKey)) {
@@ -350,7 +352,7 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg, const std::function<void(in
         std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
           return jobs[size_t(a)].task->questions.size() > jobs[size_t(b)].task->questions.size();
         });
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(fork_threads)
         for (int k = 0; k < int(jobs.size()); ++k) {
           const int i = order[size_t(k)];
           Job& j = jobs[size_t(i)];

@@ -1,0 +1,115 @@
+// `locks eval` on the reference model at a short length: the shortcuts the runner takes for speed
+// (forks of a context in parallel; multikey read off the multiquery run on a shared context) must
+// give exactly what a plain run gives.
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "locks/eval_runner.h"
+#include "locks/model.h"
+#include "locks/needle_task.h"
+#include "locks/session.h"
+#include "locks/text_corpus.h"
+#include "test_paths.h"
+
+namespace {
+
+using namespace locks;
+
+EvalConfig small_config(const std::string& out) {
+  EvalConfig c;
+  c.model_path = test::source_path("models/locks-ref-a-q8_0.gguf");
+  c.corpus_path = test::shared_path("data/heldout-text.txt.xz");
+  c.families = {"multikey", "multiquery"};
+  c.lengths = {512};
+  c.budgets = {32, 64};
+  c.selectors = {"full", "locks", "oracle", "quest"};
+  c.contexts = 1;
+  c.seed = 7;
+  c.locality_contexts = 0;
+  c.out_dir = (std::filesystem::temp_directory_path() / out).string();
+  return c;
+}
+
+// Every column but the wall-clock one, as the CSV writes it.
+void expect_same_rows(const std::vector<EvalRow>& a, const std::vector<EvalRow>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    SCOPED_TRACE(a[i].family + " " + a[i].selector + " " + std::to_string(a[i].budget));
+    EXPECT_EQ(a[i].family, b[i].family);
+    EXPECT_EQ(a[i].selector, b[i].selector);
+    EXPECT_EQ(a[i].budget, b[i].budget);
+    EXPECT_EQ(a[i].task_seed, b[i].task_seed);
+    EXPECT_EQ(a[i].correct, b[i].correct);
+    EXPECT_EQ(a[i].answer_tokens_correct, b[i].answer_tokens_correct);
+    EXPECT_EQ(a[i].decode_steps, b[i].decode_steps);
+    EXPECT_EQ(a[i].bytes_read_per_step, b[i].bytes_read_per_step);
+    for (auto [x, y] : {std::pair{a[i].lse_mae, b[i].lse_mae}, {a[i].coverage, b[i].coverage},
+                        {a[i].output_rel_err, b[i].output_rel_err}, {a[i].carrier_retention_any, b[i].carrier_retention_any}})
+      EXPECT_TRUE(x == y || (std::isnan(x) && std::isnan(y))) << x << " vs " << y;
+  }
+}
+
+// Forks one after another vs two at a time (same prefill: the thread count changes Eigen's GEMM
+// blocking, so it is kept at two for both runs; every fork decodes on one thread either way).
+TEST(EvalRunner, ParallelForksGiveTheRowsOfSequentialForks) {
+  if (!test::shared_available()) GTEST_SKIP() << "../shared not present";
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(2);
+  EvalConfig seq = small_config("locks-eval-t1"), par = small_config("locks-eval-t2");
+  seq.fork_threads = 1;
+  par.fork_threads = 2;
+  const auto one = run_eval(seq, nullptr);
+  const auto two = run_eval(par, nullptr);
+  omp_set_num_threads(saved);
+  expect_same_rows(one, two);
+}
+
+// The multikey rows of a shared-context run against an independent run of that task: the same
+// context (the multiquery task of the row's seed), only its first question, through a plain fork.
+TEST(EvalRunner, MultikeyRowsEqualARunOfTheFirstQuestionAlone) {
+  if (!test::shared_available()) GTEST_SKIP() << "../shared not present";
+  const EvalConfig cfg = small_config("locks-eval-shared");
+  const auto rows = run_eval(cfg, nullptr);
+  const LlamaModel model = LlamaModel::load(cfg.model_path);
+  const auto all_docs = load_documents(cfg.corpus_path);
+  std::vector<std::string> docs;  // the runner's split: every tenth document is held back
+  for (size_t i = 0; i < all_docs.size(); ++i)
+    if (i % 10 != 0) docs.push_back(all_docs[i]);
+  int checked = 0;
+  for (const EvalRow& r : rows) {
+    if (r.family != "multikey") continue;
+    NeedleTask task = make_needle_task(docs, model.tokenizer, NeedleFamily::kMultiQuery, r.length, r.task_seed);
+    ASSERT_EQ(task.questions.size(), 2u);
+    SessionConfig base_cfg;
+    base_cfg.n_ctx = task.total_tokens() + 16;
+    Session base(model, base_cfg);
+    base.prefill(task.context_ids);
+    SessionConfig fc;
+    fc.selector = r.selector;
+    fc.budget_tokens = r.budget == 0 ? 32 : r.budget;
+    Session s = base.fork(fc);
+    const NeedleQuestion& q = task.questions.front();
+    const std::vector<float>* logits = nullptr;
+    for (int32_t t : q.prompt_ids) logits = &s.decode(t);
+    int right = 0;
+    for (size_t i = 0; i < q.answer_ids.size(); ++i) {
+      right += int(std::max_element(logits->begin(), logits->end()) - logits->begin()) == q.answer_ids[i];
+      if (i + 1 < q.answer_ids.size()) logits = &s.decode(q.answer_ids[i]);
+    }
+    SCOPED_TRACE(r.selector + " " + std::to_string(r.budget));
+    EXPECT_EQ(r.answer_tokens, int(q.answer_ids.size()));
+    EXPECT_EQ(r.answer_tokens_correct, right);
+    EXPECT_EQ(r.decode_steps, s.totals().steps);
+    EXPECT_DOUBLE_EQ(r.bytes_read_per_step, s.totals().bytes_read / double(s.totals().steps));
+    ++checked;
+  }
+  EXPECT_EQ(checked, 1 + 3 * 2);  // full once; locks, oracle and quest at two budgets
+}
+
+}  // namespace
