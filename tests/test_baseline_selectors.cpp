@@ -767,12 +767,17 @@ TEST(BaselineSelectors, InvariantsAndDocumentedBytes) {
 // On the reference model through Session: fork a dense prefill to every baseline and decode
 // =============================================================================================
 
-TEST(BaselineSelectors, ForkAndDecodeOnTheReferenceModel) {
-  const LlamaModel model = LlamaModel::load(test::source_path("models/locks-ref-a-q8_0.gguf"));
+// ~900 tokens of real text (examples/haystack.txt from character 30000) with BOS.
+static std::vector<int32_t> haystack_ids(const LlamaModel& model) {
   std::ifstream in(test::source_path("examples/haystack.txt"));
   std::stringstream ss;
   ss << in.rdbuf();
-  const auto ids = model.tokenizer.encode(ss.str().substr(30000, 4000), true);
+  return model.tokenizer.encode(ss.str().substr(30000, 4000), true);
+}
+
+TEST(BaselineSelectors, ForkAndDecodeOnTheReferenceModel) {
+  const LlamaModel model = LlamaModel::load(test::source_path("models/locks-ref-a-q8_0.gguf"));
+  const auto ids = haystack_ids(model);
   ASSERT_GT(ids.size(), 460u);
   SessionConfig cfg;
   cfg.n_ctx = 512;
@@ -828,10 +833,7 @@ TEST(BaselineSelectors, ForkAndDecodeOnTheReferenceModel) {
 // step completes a page (207 + 1 = 13 pages).
 TEST(BaselineSelectors, PreparedSelectorForksDecodeLikeFreshForks) {
   const LlamaModel model = LlamaModel::load(test::source_path("models/locks-ref-a-q8_0.gguf"));
-  std::ifstream in(test::source_path("examples/haystack.txt"));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  const auto ids = model.tokenizer.encode(ss.str().substr(30000, 4000), true);
+  const auto ids = haystack_ids(model);
   ASSERT_GT(ids.size(), 480u);
   SessionConfig cfg;
   cfg.n_ctx = 512;
