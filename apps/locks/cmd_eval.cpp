@@ -52,11 +52,34 @@ Runner add_eval(CLI::App& app) {
     cfg.corpus_path = resolve_default_path(cfg.corpus_path);
     // Usage errors (bad selector specs, families, budgets) exit 2 like other bad options.
     try {
-      for (const auto& s : cfg.selectors) parse_selector_spec(s, cfg.summary);
+      auto no_repeats = [](const auto& v, const char* what) {
+        for (size_t i = 0; i < v.size(); ++i)
+          for (size_t j = 0; j < i; ++j)
+            if (v[i] == v[j]) throw std::invalid_argument(fmt::format("{} '{}' given twice", what, v[i]));
+      };
+      no_repeats(cfg.selectors, "selector");
+      no_repeats(cfg.budgets, "budget");
+      no_repeats(cfg.lengths, "length");
+      no_repeats(cfg.families, "task");
+      if (cfg.out_dir.empty()) throw std::invalid_argument("--out: empty output directory");
+      for (const auto& s : cfg.selectors) {
+        // Variant values checked now (page size 16, head_dim 64 of the reference format), not after
+        // the model and corpus load.
+        const SelectorSpec spec = parse_selector_spec(s, cfg.summary);
+        try {
+          spec.opts.summary.validate(16, 64);
+        } catch (const std::invalid_argument& e) {
+          throw std::invalid_argument(fmt::format("selector '{}': {}", s, e.what()));
+        }
+        if (spec.opts.shared_rank < 0 || spec.opts.shared_rank > 64)
+          throw std::invalid_argument(fmt::format("selector '{}': rho {} outside [0, 64]", s, spec.opts.shared_rank));
+      }
       for (const auto& f : cfg.families)
         if (f != "continuation") parse_needle_family(f);
       for (int b : cfg.budgets)
         if (b < 32 || b % 16 != 0) throw std::invalid_argument(fmt::format("budget {}: must be a multiple of 16, >= 32", b));
+      for (int len : cfg.lengths)
+        if (len < 256) throw std::invalid_argument(fmt::format("length {}: must be >= 256 tokens", len));
       cfg.summary.validate(16, 64);
     } catch (const std::invalid_argument& e) {
       throw CLI::ValidationError("eval", e.what());
@@ -65,7 +88,13 @@ Runner add_eval(CLI::App& app) {
       fmt::print(stderr, "\r[eval] {:>4}/{} contexts | {:<60}", done, total, what);
       std::fflush(stderr);
     };
-    const auto rows = run_eval(cfg, progress);
+    std::vector<EvalRow> rows;
+    try {
+      rows = run_eval(cfg, progress);
+    } catch (...) {
+      fmt::print(stderr, "\n");  // end the progress line before the error
+      throw;
+    }
     fmt::print(stderr, "\n");
     fmt::print("{}", eval_summary_markdown(cfg, rows));
     fmt::print(stderr, "[eval] wrote {}/results.csv and {}/summary.md\n", cfg.out_dir, cfg.out_dir);

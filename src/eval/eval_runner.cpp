@@ -307,6 +307,11 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg, const std::function<void(in
           tasks.insert(tasks.begin(), std::move(mk));
         }
         const NeedleTask& task = tasks.back();  // the one with every question: sizes the context
+        // The builder adds whole corpus lines; one line longer than the length overshoots it.
+        if (task.total_tokens() > len + 64 || task.total_tokens() > model.hp.n_ctx_train)
+          throw std::runtime_error(fmt::format(
+              "{} context {} has {} tokens for length {} (model context {}): a corpus line is longer than the length",
+              needle_family_name(fam), c, task.total_tokens(), len, model.hp.n_ctx_train));
         if (progress)
           progress(done, total, fmt::format("{} {} ctx {}: prefill {} tokens", needle_family_name(fam), len, c,
                                             task.context_ids.size()));
@@ -336,6 +341,7 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg, const std::function<void(in
               row.context = c;
               row.task_seed = task_seed;
               row.prompt_tokens = int(t.context_ids.size());
+              row.kl_vs_full = kNaN;  // continuation only
               row.selector = specs[si].label;
               row.budget = b;
               if (paired && &t == &tasks.front()) {
@@ -434,7 +440,10 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg, const std::function<void(in
             for (int b : budgets)
               run_config(spec, b, base, *prepared, proto, [&](Session& s, EvalRow& row) {
                 teacher_force(s, row, record);
-                if (record) row.answer_tokens_correct = row.answer_tokens;  // full agrees with itself
+                if (record) {  // full agrees with itself
+                  row.answer_tokens_correct = row.answer_tokens;
+                  row.correct = true;
+                }
                 fill_fidelity(nullptr, row);
               });
           }

@@ -2,6 +2,7 @@
 
 #include <lzma.h>
 
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <stdexcept>
@@ -35,6 +36,8 @@ std::string xz_decompress(const std::string& in, const std::string& path) {
 }  // namespace
 
 std::vector<std::string> load_documents(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) throw std::runtime_error(fmt::format("text corpus '{}' is a directory", path));
   std::ifstream f(path, std::ios::binary);
   if (!f) throw std::runtime_error(fmt::format("cannot open text corpus '{}'", path));
   std::string data(std::istreambuf_iterator<char>(f), {});

@@ -13,6 +13,8 @@
 #include <unordered_set>
 #include <utility>
 
+#include <sys/stat.h>
+
 namespace locks {
 
 namespace {
@@ -268,6 +270,8 @@ std::string ggml_type_name(uint32_t type) {
 }
 
 GgufFile GgufFile::open(const std::string& path) {
+  struct stat st{};
+  if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) throw std::runtime_error("GGUF '" + path + "': is a directory");
   std::ifstream in(path, std::ios::binary | std::ios::ate);
   if (!in) throw std::runtime_error("GGUF '" + path + "': cannot open file");
   const std::streamoff size = in.tellg();
