@@ -169,6 +169,12 @@ SelectorSpec parse_selector_spec(const std::string& spec, const SummaryFormat& b
           throw std::invalid_argument(fmt::format("selector '{}': {}='{}' is not an integer", spec, k, v));
         }
       };
+      // Summary-format keys belong to LOCKS, rho to the shared-basis scopes (a key another selector
+      // ignores would only mislabel its rows).
+      const bool summary_key = k == "r" || k == "basis" || k == "coef" || k == "centroid";
+      if ((summary_key && s.name != "locks") ||
+          (k == "rho" && s.name != "sequence-basis" && s.name != "global-basis"))
+        throw std::invalid_argument(fmt::format("selector '{}': key '{}' does not apply to {}", spec, k, s.name));
       if (k == "r") s.opts.summary.rank = as_int();
       else if (k == "basis") s.opts.summary.basis_bits = as_int();
       else if (k == "coef") s.opts.summary.coef_bits = as_int();
