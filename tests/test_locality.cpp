@@ -255,3 +255,20 @@ TEST(Locality, RejectsBadInput) {
   EXPECT_EQ(r.page_local, (std::vector<double>{1.0, 1.0}));
   EXPECT_EQ(r.sequence, (std::vector<double>{1.0, 1.0}));
 }
+
+TEST(Locality, MeanOverMeasurementsPerRank) {
+  LocalityResult a, b;
+  a.page_local = {0.2, 0.6};
+  a.sequence = {0.1, 0.3};
+  a.global = {0.05, 0.25};
+  b.page_local = {0.4, 1.0};
+  b.sequence = {0.3, 0.5};
+  b.global = {0.15, 0.35};
+  const LocalityMean m = mean_locality({a, b}, 1);
+  EXPECT_DOUBLE_EQ(m.page_local, 0.8);
+  EXPECT_DOUBLE_EQ(m.sequence, 0.4);
+  EXPECT_DOUBLE_EQ(m.global, 0.3);
+  b.global.clear();  // one measurement without a global basis: no global mean
+  EXPECT_TRUE(std::isnan(mean_locality({a, b}, 0).global));
+  EXPECT_DOUBLE_EQ(mean_locality({a, b}, 0).page_local, 0.3);
+}

@@ -41,4 +41,11 @@ struct LocalityResult {
 LocalityResult measure_locality(const PagedKvCache& cache, const KvSequence& seq, const std::vector<int>& ranks,
                                 const GlobalBasis* global = nullptr);
 
+/// Mean over several measurements (same rank list) of the fractions at rank index k: page-local,
+/// sequence, global (NaN when any measurement has no global basis). `results` must not be empty.
+struct LocalityMean {
+  double page_local, sequence, global;
+};
+LocalityMean mean_locality(const std::vector<LocalityResult>& results, size_t k);
+
 }  // namespace locks

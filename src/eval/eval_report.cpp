@@ -182,21 +182,15 @@ void write_eval_plots(const EvalConfig& cfg, const std::vector<EvalRow>& rows,
     std::vector<double> ranks(loc_ranks.begin(), loc_ranks.end());
     PlotSeries pl{"page-local (LOCKS)", {}, {}}, sq{"sequence (ShadowKV scope)", {}, {}}, gl{"global (Loki scope)", {}, {}};
     for (size_t k = 0; k < loc_ranks.size(); ++k) {
-      double a = 0, b2 = 0, c = 0;
-      for (const auto& r : results) {
-        a += r.page_local[k];
-        b2 += r.sequence[k];
-        c += r.global.empty() ? kNaN : r.global[k];
-      }
-      const double n = double(results.size());
+      const LocalityMean m = mean_locality(results, k);
       if (loc_ranks[k] <= 16) {
         pl.x.push_back(ranks[k]);
-        pl.y.push_back(a / n);
+        pl.y.push_back(m.page_local);
       }
       sq.x.push_back(ranks[k]);
-      sq.y.push_back(b2 / n);
+      sq.y.push_back(m.sequence);
       gl.x.push_back(ranks[k]);
-      gl.y.push_back(c / n);
+      gl.y.push_back(m.global);
     }
     write_text_file(cfg.out_dir + fmt::format("/locality_{}.svg", len),
                     svg_line_chart(fmt::format("within-page key energy captured at rank r, {} tokens", len),

@@ -471,14 +471,8 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg, const std::function<void(in
     loc << "length,rank,page_local,sequence,global\n";
     for (const auto& [len, results] : locality) {
       for (size_t k = 0; k < loc_ranks.size(); ++k) {
-        double pl = 0, sq = 0, gl = 0;
-        for (const auto& r : results) {
-          pl += r.page_local[k];
-          sq += r.sequence[k];
-          gl += r.global.empty() ? kNaN : r.global[k];
-        }
-        const double n = double(results.size());
-        loc << fmt::format("{},{},{:.6f},{:.6f},{:.6f}\n", len, loc_ranks[k], pl / n, sq / n, gl / n);
+        const LocalityMean m = mean_locality(results, k);
+        loc << fmt::format("{},{},{:.6f},{:.6f},{:.6f}\n", len, loc_ranks[k], m.page_local, m.sequence, m.global);
       }
     }
   }

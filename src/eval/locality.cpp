@@ -162,4 +162,15 @@ LocalityResult measure_locality(const PagedKvCache& cache, const KvSequence& seq
   return res;
 }
 
+LocalityMean mean_locality(const std::vector<LocalityResult>& results, size_t k) {
+  LocalityMean m{0, 0, 0};
+  for (const auto& r : results) {
+    m.page_local += r.page_local[k];
+    m.sequence += r.sequence[k];
+    m.global += r.global.empty() ? std::numeric_limits<double>::quiet_NaN() : r.global[k];
+  }
+  const double n = double(results.size());
+  return {m.page_local / n, m.sequence / n, m.global / n};
+}
+
 }  // namespace locks
