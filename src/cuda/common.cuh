@@ -1,13 +1,11 @@
 // Device helpers shared by the LOCKS CUDA kernels: warp-level tensor-core MMAs (mma.sync, sm_80+),
-// f16/bf16 packing with hi/lo splitting, int4/int8 -> f16 unpacking, the last-CTA-done pattern,
+// f16/bf16 packing with hi/lo splitting, int8 -> f16 unpacking, the last-CTA-done pattern,
 // and programmatic-dependent-launch (PDL) helpers.
 //
-// Fragment conventions (PTX ISA, mma.m16n8k16 / m16n8k8 with .row.col), for lane = 4 * g + t:
+// Fragment conventions (PTX ISA, mma.m16n8k16 with .row.col), for lane = 4 * g + t:
 //   A (16 x 16): a[0] = (row g,   cols 2t, 2t+1)   a[1] = (row g+8, cols 2t, 2t+1)
 //                a[2] = (row g,   cols 2t+8, 2t+9) a[3] = (row g+8, cols 2t+8, 2t+9)
-//   A (16 x 8):  a[0] = (row g, cols 2t, 2t+1)     a[1] = (row g+8, cols 2t, 2t+1)
 //   B (16 x 8):  b[0] = (rows 2t, 2t+1, col g)     b[1] = (rows 2t+8, 2t+9, col g)
-//   B (8 x 8):   b[0] = (rows 2t, 2t+1, col g)
 //   C (16 x 8):  c[0], c[1] = (row g, cols 2t, 2t+1)   c[2], c[3] = (row g+8, cols 2t, 2t+1)
 // Within a 32-bit register the lower-indexed element is the low half.
 //
@@ -42,11 +40,6 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4],
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void mma_1688_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t b0) {
-  asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(b0));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -91,33 +84,10 @@ __device__ __forceinline__ float kv_to_float(uint16_t bits, bool bf16) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Code unpacking (exact): every int4 / int8 code is an integer that f16 represents exactly.
+// Code unpacking (exact): every int8 code is an integer that f16 represents exactly.
 __device__ __forceinline__ uint32_t hsub2_bits(uint32_t a, uint32_t b) {
   __half2 r = __hsub2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
   return *reinterpret_cast<uint32_t*>(&r);
-}
-__device__ __forceinline__ uint32_t hfma2_bits(uint32_t a, uint32_t b, uint32_t c) {
-  __half2 r =
-      __hfma2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b), *reinterpret_cast<__half2*>(&c));
-  return *reinterpret_cast<uint32_t*>(&r);
-}
-
-/// Eight signed int4 codes (two's complement nibbles; nibble n = bits 4n..4n+3 = element n) to four
-/// f16 pairs: out[0] = (e0, e4), out[1] = (e1, e5), out[2] = (e2, e6), out[3] = (e3, e7).
-/// The 0x6400 exponent trick: f16 bits 0x6400 | u = 1024 + u for u < 1024.
-__device__ __forceinline__ void unpack_int4x8(uint32_t w, uint32_t (&out)[4]) {
-  const uint32_t u = w ^ 0x88888888u;                           // signed code c -> unsigned c + 8
-  const uint32_t lo = (u & 0x000f000fu) | 0x64006400u;          // (1024 + u0, 1024 + u4)
-  const uint32_t hi = (u & 0x00f000f0u) | 0x64006400u;          // (1024 + 16 u1, 1024 + 16 u5)
-  const uint32_t lo2 = ((u >> 8) & 0x000f000fu) | 0x64006400u;  // (1024 + u2, 1024 + u6)
-  const uint32_t hi2 = ((u >> 8) & 0x00f000f0u) | 0x64006400u;  // (1024 + 16 u3, 1024 + 16 u7)
-  const uint32_t k1032 = 0x64086408u;                           // (1032, 1032)
-  const uint32_t k1_16 = 0x2c002c00u;                           // (1/16, 1/16)
-  const uint32_t km72 = 0xd480d480u;                            // (-72, -72)
-  out[0] = hsub2_bits(lo, k1032);
-  out[1] = hfma2_bits(hi, k1_16, km72);
-  out[2] = hsub2_bits(lo2, k1032);
-  out[3] = hfma2_bits(hi2, k1_16, km72);
 }
 
 /// Four signed int8 codes (bytes b0..b3) to two f16 pairs: lo = (b0, b1), hi = (b2, b3).
