@@ -287,7 +287,7 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg, const std::function<void(in
     const Selector* prepared;
     int budget;
     EvalRow row;
-    EvalRow* prefix_row = nullptr;  // multikey: filled from this multiquery run's first question
+    int prefix = -1;  // multikey row (index into prefix_rows) filled from this run's first question
   };
 
   const int fork_threads = cfg.fork_threads > 0 ? cfg.fork_threads : omp_get_max_threads();
@@ -337,7 +337,6 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg, const std::function<void(in
         // A multikey run is an exact prefix of the multiquery run on its context (same tokens, same
         // decode steps, deterministic), so each multiquery fork also yields the multikey row.
         std::vector<EvalRow> prefix_rows;
-        if (paired) prefix_rows.reserve(specs.size() * cfg.budgets.size() + specs.size());
         for (const auto& t : tasks)
           for (size_t si = 0; si < specs.size(); ++si)
             for (int b : budget_free(specs[si].name) ? std::vector<int>{0} : cfg.budgets) {
@@ -355,7 +354,7 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg, const std::function<void(in
                 continue;
               }
               jobs.push_back(Job{&t, &specs[si], prepared[si].get(), b, row});
-              if (paired) jobs.back().prefix_row = &prefix_rows[jobs.size() - 1];
+              if (paired) jobs.back().prefix = int(jobs.size()) - 1;
             }
         std::vector<std::string> errors(jobs.size());
         // Longest first (two questions before one), so the last forks of a context finish together.
@@ -375,7 +374,7 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg, const std::function<void(in
               probe = std::make_unique<FidelityProbe>();
               s.set_probe(probe.get());
             }
-            answer_questions(s, *j.task, probe.get(), j.row, j.prefix_row);
+            answer_questions(s, *j.task, probe.get(), j.row, j.prefix >= 0 ? &prefix_rows[size_t(j.prefix)] : nullptr);
             fill_fidelity(probe.get(), j.row);
             s.set_probe(nullptr);
             fill_efficiency(s, j.row);
