@@ -81,8 +81,10 @@ for stage in "$@"; do
           --batches 1,8 --runs 15 2>&1 | grep -E "^\| custom" | sed "s/^/$v kv4 /"
         timeout 60 "$DIST/bin/$v" bench --device cuda --contexts 262144 --kv-heads 8 --group 4 --head-dim 128 \
           --batches 1 --runs 15 2>&1 | grep -E "^\| custom" | sed "s/^/$v llama /"
-        timeout 60 "$DIST/bin/$v" bench --device cuda --contexts 1048576 --kv-heads 2 --group 16 --head-dim 128 \
-          --batches 1 --runs 15 2>&1 | grep -E "^\| custom" | sed "s/^/$v kv2 /"
+        timeout 60 "$DIST/bin/$v" bench --device cuda --contexts 131072,1048576 --kv-heads 2 --group 16 --head-dim 128 \
+          --batches 1,2 --runs 15 2>&1 | grep -E "^\| custom" | sed "s/^/$v kv2 /"
+        timeout 60 "$DIST/bin/$v" bench --device cuda --contexts 131072 --kv-heads 4 --group 8 --head-dim 128 \
+          --batches 1 --runs 15 2>&1 | grep -E "^\| custom" | sed "s/^/$v kv4 /"
       done; done ;;
     patterns)  # read-bandwidth ceilings of the score pass's access pattern (bench/cuda_read_patterns.cu)
       timeout 60 "$DIST/bin/read_patterns" 2>&1 | tee "$OUT/read_patterns.log" ;;

@@ -21,7 +21,7 @@
 //
 // Memory pipeline: each warp walks octets (8 consecutive pages) of its CTA's chunk; the 8 records of
 // the next octet are copied into the warp's shared-memory stage with cp.async (16-byte chunks, zero
-// fill past the sequence) while the current octet is computed; page ids are loaded one octet ahead.
+// fill past the sequence) while the current octet is computed; page ids are loaded two octets ahead.
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -137,7 +137,7 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
     const int active = max(1, (n_scored + p.chunk_pages - 1) / p.chunk_pages);
     if (c >= active) continue;
 
-    // ---- The octet pipeline: page ids one octet ahead, records one octet ahead (cp.async). ----
+    // ---- The octet pipeline: page ids two octets ahead, records one octet ahead (cp.async). ----
     const uint8_t* recs = p.summaries + size_t(h) * p.n_pages_pool * REC;
     const int32_t* idx = p.kv.indices + pbeg;
     const int oct_per_chunk = p.chunk_pages / 8;
@@ -159,17 +159,33 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
         for (int ch = lane; ch < CPR; ch += 32) cp_async16(dst0 + uint32_t(pp * REC + ch * 16), src + ch * 16, id >= 0);
       }
     };
-    int o = c * oct_per_chunk + warp;
-    int32_t ids_next = load_ids(o);
-    issue(o, ids_next, 0);
-    cp_async_commit();
-    ids_next = load_ids(o + kWarps);
-
+    // q's loads go out first, so that their latency overlaps the page ids' and the records'.
     const bool new_q = long(bh) != cur_bh;
+    constexpr int QE = GT * D / kThreads;
+    float qv[QE];
+    if (new_q) {
+      const float* qg = p.q + bh * G * D;
+#pragma unroll
+      for (int i = 0; i < QE; ++i) {
+        const int e = int(threadIdx.x) + i * kThreads;
+        qv[i] = (e / D) < G ? qg[e] : 0.0f;
+      }
+    }
+    // Page ids are loaded two octets ahead of their records: one octet's compute is shorter than
+    // an id load's latency under the records' traffic (measured: the copy loop stalled on them).
+    int o = c * oct_per_chunk + warp;
+    int32_t ids_next = load_ids(o + kWarps);
+    issue(o, load_ids(o), 0);
+    cp_async_commit();
+    int32_t ids_after = load_ids(o + 2 * kWarps);
+
     if (new_q) {
       // ---- q of the group -> int8 limbs (A fragments) and per-head constants. ----
-      const float* qg = p.q + bh * G * D;
-      for (int e = threadIdx.x; e < GT * D; e += kThreads) q_s[e / D][e % D] = (e / D) < G ? qg[e] : 0.0f;
+#pragma unroll
+      for (int i = 0; i < QE; ++i) {
+        const int e = int(threadIdx.x) + i * kThreads;
+        q_s[e / D][e % D] = qv[i];
+      }
       __syncthreads();
       for (int r = warp; r < GT; r += kWarps) {
         float amax = 0.0f;
@@ -301,7 +317,8 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
       const int stage = it & 1;
       issue(o + kWarps, ids_next, stage ^ 1);  // the next octet into the other stage
       cp_async_commit();
-      ids_next = load_ids(o + 2 * kWarps);
+      ids_next = ids_after;
+      ids_after = load_ids(o + 3 * kWarps);
       cp_async_wait<1>();
       __syncwarp();
       const uint8_t* st = my_stages + stage * 8 * REC;
