@@ -29,6 +29,7 @@
 #include "common.cuh"
 #include "record_layout.h"
 
+
 namespace locks::cuda {
 
 namespace {
@@ -38,7 +39,6 @@ namespace L = layout;
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kStages = 2;
 
 __device__ __forceinline__ uint32_t u4_word(const uint4& v, int w) {
   return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
@@ -67,6 +67,21 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
+// Ring-slot barriers: 32 arrivals (one per lane of the warp that fills the slot, each when its own
+// cp.async copies have landed) complete a phase; the consumer waits on the phase's parity.
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred done;\n"
+      "WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n @!done bra WAIT_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
 __device__ __forceinline__ uint32_t pack_s8x4(int a, int b, int c, int d) {
   return (uint32_t(a) & 0xffu) | ((uint32_t(b) & 0xffu) << 8) | ((uint32_t(c) & 0xffu) << 16) | (uint32_t(d) << 24);
 }
@@ -79,9 +94,26 @@ __device__ __forceinline__ void lse2_merge(float& m, float& l, float m2, float l
   m = mn;
 }
 
-template <int D>
+// Two octet pipelines, chosen by measurement on the H200 (1M tokens, 4 and 2 KV heads):
+//  - G <= 8 (memory-bound): a ring of octet slots shared by the CTA's warps, as many slots as fit
+//    beside the static shared memory at MB CTAs per SM (228 KB per SM, 1 KB reserved per CTA), at
+//    most 16; d = 128: 10 slots, so ~6 octets stay in flight while the 4 warps compute 4. Against
+//    two private stages per warp: 84 -> 78 us at batch 1, 567 -> 508 us at batch 8.
+//  - G = 16 (twice the compute per record): two private stages per warp; the ring (8, 12 or 15
+//    slots) was 4-12% slower there.
+template <int GT>
+__host__ __device__ constexpr bool use_ring() {
+  return GT <= 8;
+}
+template <int D, int GT, int MB>
+__host__ __device__ constexpr int ring_slots() {
+  const int per_cta = 228 * 1024 / MB - 1024 - (GT * D * 4 + 2048);  // static: q, per-head state, barriers
+  const int n = per_cta / (8 * int(L::record_bytes(D)));
+  return !use_ring<GT>() ? 2 * kWarps : n > 16 ? 16 : n;
+}
+template <int D, int GT, int MB>
 constexpr int score_smem_bytes() {
-  return kWarps * kStages * 8 * int(L::record_bytes(D));
+  return ring_slots<D, GT, MB>() * 8 * int(L::record_bytes(D));
 }
 
 template <int D, int GT, int MB>
@@ -91,12 +123,12 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
   constexpr int REC = int(L::record_bytes(D));
   constexpr int CPR = REC / 16;  // 16-byte chunks per record
 
-  extern __shared__ __align__(16) uint8_t stages[];  // [kWarps][kStages][8][REC]
-  // q of the group: for G <= 8 staged in warp 0's second stage (free until the first loop
-  // iteration refills it), which keeps 3 CTAs per SM (4 at 128 registers) within shared memory.
-  __shared__ float q_static[GT == 16 ? GT : 1][D];
-  float(*q_s)[D] = GT == 16 ? q_static : reinterpret_cast<float(*)[D]>(stages + 8 * REC);
-  static_assert(GT == 16 || GT * D * 4 <= 8 * REC, "q staging must fit one octet stage");
+  constexpr bool kRing = use_ring<GT>();
+  constexpr int R = ring_slots<D, GT, MB>();
+  static_assert(R > kWarps, "the ring must hold more octets than the warps compute");
+  extern __shared__ __align__(16) uint8_t ring[];  // [R][8][REC]; private stages: slot 2 warp + (k & 1)
+  __shared__ __align__(8) uint64_t full[R];         // slot barriers
+  __shared__ float q_s[GT][D];
   __shared__ float q_mul[GT];   // 127 / max|q_g|
   __shared__ int q_sum[GT][2];  // sum_x limb_l[g][x]
   __shared__ float ex_logit[GT][16];
@@ -108,6 +140,12 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
   const int H = p.kv.n_head_kv, G = p.group;
   const int n_chunks = p.n_chunks;
   const int n_items = p.kv.batch * H * n_chunks;
+
+  const uint32_t ring_s = uint32_t(__cvta_generic_to_shared(ring));
+  const uint32_t full_s = uint32_t(__cvta_generic_to_shared(full));
+  if (kRing && threadIdx.x < R) mbar_init(full_s + 8 * threadIdx.x, 32);
+  __syncthreads();
+  uint32_t uses = 0;  // octets this CTA has put through the ring: octet i of an item is use uses + i
 
   pdl_wait();
   pdl_launch_dependents();
@@ -137,27 +175,33 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
     const int active = max(1, (n_scored + p.chunk_pages - 1) / p.chunk_pages);
     if (c >= active) continue;
 
-    // ---- The octet pipeline: page ids two octets ahead, records one octet ahead (cp.async). ----
+    // ---- Octet i (of this item) is computed by warp i % 4. Ring: it goes to slot (uses + i) % R and
+    // the warp refills that slot with octet i + R once done, so about R - 4 octets are in flight
+    // while the warps compute. Private stages: the warp copies its next octet into its other stage
+    // before computing this one. Page ids are loaded two of the warp's copies ahead: one octet's
+    // compute is shorter than an id load under the records' traffic (ncu: the copies stalled on them).
     const uint8_t* recs = p.summaries + size_t(h) * p.n_pages_pool * REC;
     const int32_t* idx = p.kv.indices + pbeg;
-    const int oct_per_chunk = p.chunk_pages / 8;
-    const int oct_end = min((c + 1) * oct_per_chunk, (n_scored + 7) / 8);
-    uint8_t* my_stages = stages + size_t(warp) * kStages * 8 * REC;
-    const uint32_t my_stages_s = uint32_t(__cvta_generic_to_shared(my_stages));
-    auto load_ids = [&](int o) -> int32_t {  // lane p < 8: page id of page p of octet o, or -1
-      const int pos = o * 8 + (lane & 7);
-      return (o < oct_end && pos < n_scored) ? __ldg(idx + pos) : -1;
+    const int oct_begin = c * (p.chunk_pages / 8);
+    const int n_oct = min(oct_begin + p.chunk_pages / 8, (n_scored + 7) / 8) - oct_begin;
+    auto load_ids = [&](int i) -> int32_t {  // lane p < 8: page id of page p of octet i, or -1
+      const int pos = (oct_begin + i) * 8 + (lane & 7);
+      return (i < n_oct && pos < n_scored) ? __ldg(idx + pos) : -1;
     };
-    auto issue = [&](int o, int32_t ids, int stage) {
-      if (o >= oct_end) return;
-      const uint32_t dst0 = my_stages_s + uint32_t(stage * 8 * REC);
+    auto issue = [&](int i, int32_t ids, uint32_t slot) {  // the warp copies octet i into a slot
+      if (i < n_oct) {
+        const uint32_t dst0 = ring_s + slot * uint32_t(8 * REC);
 #pragma unroll
-      for (int pp = 0; pp < 8; ++pp) {
-        const int32_t id = __shfl_sync(kFull, ids, pp);
-        const uint8_t* src = recs + size_t(max(id, 0)) * REC;
+        for (int pp = 0; pp < 8; ++pp) {
+          const int32_t id = __shfl_sync(kFull, ids, pp);
+          const uint8_t* src = recs + size_t(max(id, 0)) * REC;
 #pragma unroll
-        for (int ch = lane; ch < CPR; ch += 32) cp_async16(dst0 + uint32_t(pp * REC + ch * 16), src + ch * 16, id >= 0);
+          for (int ch = lane; ch < CPR; ch += 32)
+            cp_async16(dst0 + uint32_t(pp * REC + ch * 16), src + ch * 16, id >= 0);
+        }
+        if constexpr (kRing) cp_async_arrive(full_s + 8 * slot);
       }
+      if constexpr (!kRing) cp_async_commit();  // empty past the end: wait_group<1> then still waits for this octet
     };
     // q's loads go out first, so that their latency overlaps the page ids' and the records'.
     const bool new_q = long(bh) != cur_bh;
@@ -171,13 +215,19 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
         qv[i] = (e / D) < G ? qg[e] : 0.0f;
       }
     }
-    // Page ids are loaded two octets ahead of their records: one octet's compute is shorter than
-    // an id load's latency under the records' traffic (measured: the copy loop stalled on them).
-    int o = c * oct_per_chunk + warp;
-    int32_t ids_next = load_ids(o + kWarps);
-    issue(o, load_ids(o), 0);
-    cp_async_commit();
-    int32_t ids_after = load_ids(o + 2 * kWarps);
+    constexpr int kAhead = kRing ? R : kWarps;  // octet i's copy is issued with octet i - kAhead's compute
+    if constexpr (kRing) {
+      constexpr int F = (R + kWarps - 1) / kWarps;  // the initial fill: octets warp, warp + 4, ... < R
+      int32_t fill[F];
+#pragma unroll
+      for (int f = 0; f < F; ++f) fill[f] = warp + kWarps * f < R ? load_ids(warp + kWarps * f) : -1;
+#pragma unroll
+      for (int f = 0; f < F; ++f)
+        if (warp + kWarps * f < R) issue(warp + kWarps * f, fill[f], (uses + uint32_t(warp + kWarps * f)) % R);
+    } else {
+      issue(warp, load_ids(warp), 2 * warp);
+    }
+    int32_t ids_next = load_ids(warp + kAhead), ids_after = load_ids(warp + kWarps + kAhead);
 
     if (new_q) {
       // ---- q of the group -> int8 limbs (A fragments) and per-head constants. ----
@@ -311,18 +361,22 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
     float* lm_row0 = p.log_mass + (bh * G + g) * p.log_mass_stride;
     float* lm_row1 = p.log_mass + (bh * G + (ROWS == 2 ? g + 8 : g)) * p.log_mass_stride;
     constexpr float kInv254 = 1.0f / 254.0f;
-    __syncthreads();  // q_s (in stage 1) is read by every warp before the first refill
 
-    for (int it = 0; o < oct_end; o += kWarps, ++it) {
-      const int stage = it & 1;
-      issue(o + kWarps, ids_next, stage ^ 1);  // the next octet into the other stage
-      cp_async_commit();
-      ids_next = ids_after;
-      ids_after = load_ids(o + 3 * kWarps);
-      cp_async_wait<1>();
-      __syncwarp();
-      const uint8_t* st = my_stages + stage * 8 * REC;
-      const int p0 = o * 8;
+    for (int i = warp, k = 0; i < n_oct; i += kWarps, ++k) {
+      const int32_t ids_later = load_ids(i + 2 * kWarps + kAhead);
+      uint32_t slot;
+      if constexpr (kRing) {
+        const uint32_t use = uses + uint32_t(i);
+        slot = use % R;
+        mbar_wait(full_s + 8 * slot, (use / R) & 1u);
+      } else {
+        slot = 2 * warp + (k & 1);
+        issue(i + kWarps, ids_next, slot ^ 1u);
+        cp_async_wait<1>();
+        __syncwarp();
+      }
+      const uint8_t* st = ring + slot * size_t(8 * REC);
+      const int p0 = (oct_begin + i) * 8;
 
       // cen[r][e] = q''_row . mucode of page 2t+e: pages are the MMA's columns, so lane 4g+t already
       // holds the pages whose totals it will own after the butterfly below.
@@ -481,7 +535,10 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
 #pragma unroll
       for (int e = 0; e < 2; ++e)
         ms[e] = __half2float(reinterpret_cast<const __half*>(st + (2 * t + e) * REC + L::scales_offset(D))[L::centroid_scale_slot(0)]);
-      __syncwarp();  // this stage is refilled in the next iteration
+      __syncwarp();  // every lane is done with the slot
+      if constexpr (kRing) issue(i + R, ids_next, slot);
+      ids_next = ids_after;
+      ids_after = ids_later;
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int pos = p0 + 2 * t + e;
@@ -498,7 +555,8 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
         }
       }
     }
-    cp_async_wait<0>();
+    if constexpr (!kRing) cp_async_wait<0>();
+    uses += uint32_t(max(n_oct, 0));
 
     // Chunk statistics: quad -> warp -> CTA, plus the exact page in CTA 0.
 #pragma unroll
@@ -552,9 +610,9 @@ int score_resident_ctas(int* per_sm_out = nullptr) {
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev);
     int n = 0;
-    if (cudaFuncSetAttribute(score_kernel<D, GT, MB>, cudaFuncAttributeMaxDynamicSharedMemorySize, score_smem_bytes<D>()) !=
+    if (cudaFuncSetAttribute(score_kernel<D, GT, MB>, cudaFuncAttributeMaxDynamicSharedMemorySize, score_smem_bytes<D, GT, MB>()) !=
             cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, score_kernel<D, GT, MB>, kThreads, score_smem_bytes<D>()) !=
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, score_kernel<D, GT, MB>, kThreads, score_smem_bytes<D, GT, MB>()) !=
             cudaSuccess)
       cudaGetLastError();
     per_sm = std::max(n, 1);
@@ -571,7 +629,7 @@ cudaError_t launch_score(const ScoreParams& p, cudaStream_t stream) {
   const int grid = int(std::min<long>(items, p.grid > 0 ? p.grid : resident));
   cfg.gridDim = dim3(unsigned(std::max(grid, 1)));
   cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = score_smem_bytes<D>();
+  cfg.dynamicSmemBytes = score_smem_bytes<D, GT, MB>();
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
