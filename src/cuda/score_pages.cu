@@ -13,7 +13,8 @@
 // The basis codes are stored offset-binary (code + 8), so `w & 0x0f0f0f0f` and `(w >> 4) & 0x0f0f0f0f`
 // are u8 MMA operands; the offset contributes 8 * sum_x l[x], subtracted exactly in int32.
 // MMA rows are heads: G <= 8 puts limb 0 in rows 0..7 and limb 1 in rows 8..15 (one MMA per k-step);
-// 8 < G <= 16 puts heads in rows and runs one MMA per limb.
+// 8 < G <= 16 puts heads in rows and runs one MMA per limb. The two limbs' int32 sums combine exactly
+// as 254 * sum(l0) + sum(l1) (|.| < 2^30), one conversion to float, with 1/254 folded into kq.
 //
 // K permutation (the d dimension): lane 4g+t owns dims [t*d/4, (t+1)*d/4); k-step kk covers
 // t*d/4 + 8kk + {0,2,4,6} (K slots 4t..4t+3) and + {1,3,5,7} (K slots 16+4t..16+4t+3), which is the
@@ -348,7 +349,7 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
         const int row = g + 8 * r;
         off0[r] = 8 * q_sum[row][0];
         off1[r] = 8 * q_sum[row][1];
-        kq[r] = q_mul[row] > 0.0f ? p.scale * kLog2e / q_mul[row] : 0.0f;
+        kq[r] = q_mul[row] > 0.0f ? p.scale * kLog2e / (254.0f * q_mul[row]) : 0.0f;
       }
     }
 
@@ -360,7 +361,6 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
     }
     float* lm_row0 = p.log_mass + (bh * G + g) * p.log_mass_stride;
     float* lm_row1 = p.log_mass + (bh * G + (ROWS == 2 ? g + 8 : g)) * p.log_mass_stride;
-    constexpr float kInv254 = 1.0f / 254.0f;
 
     for (int i = warp, k = 0; i < n_oct; i += kWarps, ++k) {
       const int32_t ids_later = load_ids(i + 2 * kWarps + kAhead);
@@ -392,13 +392,13 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
           if constexpr (ROWS == 2) mma_s8s8(acc2, aq2[kk], b0, b1);
         }
         if constexpr (ROWS == 1) {
-          cen[0][0] = fmaf(float(acc1[2]), kInv254, float(acc1[0]));
-          cen[0][1] = fmaf(float(acc1[3]), kInv254, float(acc1[1]));
+          cen[0][0] = float(acc1[0] * 254 + acc1[2]);
+          cen[0][1] = float(acc1[1] * 254 + acc1[3]);
         } else {
-          cen[0][0] = fmaf(float(acc2[0]), kInv254, float(acc1[0]));
-          cen[0][1] = fmaf(float(acc2[1]), kInv254, float(acc1[1]));
-          cen[ROWS - 1][0] = fmaf(float(acc2[2]), kInv254, float(acc1[2]));
-          cen[ROWS - 1][1] = fmaf(float(acc2[3]), kInv254, float(acc1[3]));
+          cen[0][0] = float(acc1[0] * 254 + acc2[0]);
+          cen[0][1] = float(acc1[1] * 254 + acc2[1]);
+          cen[ROWS - 1][0] = float(acc1[2] * 254 + acc2[2]);
+          cen[ROWS - 1][1] = float(acc1[3] * 254 + acc2[3]);
         }
       }
 
@@ -444,15 +444,15 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
         // halves, so the tensor core adds hi + lo.
         uint32_t a[4];
         if constexpr (ROWS == 1) {
-          const float w0 = fmaf(float(acc1[2]), kInv254, float(acc1[0])) * (bs0 * kq[0]);
-          const float w1 = fmaf(float(acc1[3]), kInv254, float(acc1[1])) * (bs1 * kq[0]);
+          const float w0 = float(acc1[0] * 254 + acc1[2]) * (bs0 * kq[0]);
+          const float w1 = float(acc1[1] * 254 + acc1[3]) * (bs1 * kq[0]);
           Pack<__half>::split(w0, w1, a[0], a[2]);
           a[1] = a[3] = 0u;
         } else {
-          const float w0 = fmaf(float(acc2[0]), kInv254, float(acc1[0])) * (bs0 * kq[0]);
-          const float w1 = fmaf(float(acc2[1]), kInv254, float(acc1[1])) * (bs1 * kq[0]);
-          const float w2 = fmaf(float(acc2[2]), kInv254, float(acc1[2])) * (bs0 * kq[ROWS - 1]);
-          const float w3 = fmaf(float(acc2[3]), kInv254, float(acc1[3])) * (bs1 * kq[ROWS - 1]);
+          const float w0 = float(acc1[0] * 254 + acc2[0]) * (bs0 * kq[0]);
+          const float w1 = float(acc1[1] * 254 + acc2[1]) * (bs1 * kq[0]);
+          const float w2 = float(acc1[2] * 254 + acc2[2]) * (bs0 * kq[ROWS - 1]);
+          const float w3 = float(acc1[3] * 254 + acc2[3]) * (bs1 * kq[ROWS - 1]);
           Pack<__half>::split(w0, w1, a[0], a[2]);
           Pack<__half>::split(w2, w3, a[1], a[3]);
         }
