@@ -239,8 +239,8 @@ int bench_cuda(const BenchArgs& a, bool custom_shape, bool budget_given, bool ru
   (void)budget_given;
   (void)runs_given;
   throw std::runtime_error(
-      "--device cuda: this locks was built without CUDA (no CUDA compiler at configure time; install the CUDA "
-      "toolkit and reconfigure so CMake builds locks_cuda)");
+      "--device cuda: this locks was built without CUDA (configured with -DLOCKS_CUDA=OFF, or no CUDA compiler was "
+      "found at configure time; install the CUDA toolkit and reconfigure so CMake builds locks_cuda)");
 #endif
 }
 // ---- end CUDA ----
@@ -276,9 +276,15 @@ Runner add_bench(CLI::App& app) {
   return [a, o_ctx, o_kv, o_grp, o_hd, o_bud, o_runs] {
     if (a->budget % 16 != 0) throw CLI::ValidationError("--budget", "must be a multiple of 16");
     // ---- CUDA (`--device cuda`) ----
-    if (a->device == "cuda")
+    if (a->device == "cuda") {
+      // The kernels' shapes, checked before the device is touched (src/cuda: make_decode_plan).
+      if (o_hd->count() > 0 && a->head_dim != 64 && a->head_dim != 128)
+        throw CLI::ValidationError("--head-dim", "--device cuda supports 64 and 128, not " + std::to_string(a->head_dim));
+      if (o_grp->count() > 0 && a->n_group > 16)
+        throw CLI::ValidationError("--group", "--device cuda supports GQA groups 1 to 16, not " + std::to_string(a->n_group));
       return bench_cuda(*a, o_ctx->count() + o_kv->count() + o_grp->count() + o_hd->count() > 0, o_bud->count() > 0,
                         o_runs->count() > 0);
+    }
     // ---- end CUDA ----
     if (a->head_dim % 8 != 0) throw CLI::ValidationError("--head-dim", "must be a multiple of 8");
     if (a->threads > 0) omp_set_num_threads(a->threads);
