@@ -708,6 +708,26 @@ TEST(CudaScore, MatchesCpuStoreAllGroupSizes) {
     }
 }
 
+// Items much longer than the score pass's ring (10 octet slots at d = 128, 16 at d = 64), as the
+// decode plan makes them (hundreds of pages): every slot is refilled many times, by a warp other
+// than the one that computes the refill, and a persistent 2-CTA grid carries the ring's use count
+// across several items. Sequence lengths are not multiples of 8 pages (partial last octets).
+TEST(CudaScore, LongItemsCycleTheRing) {
+  SKIP_WITHOUT_CUDA();
+  for (int d : {64, 128})
+    for (int G : {4, 8, 16}) {
+      World w(d, 2, G, {16 * 1203 + 5, 16 * 517, 16 * 261 + 9}, lc::KvType::kF16, 500 + d + G, false);
+      Summaries s(w);
+      const auto q = w.queries(13 + G);
+      for (int grid : {0, 2}) {
+        const ScoreOut g = run_score(w, s.records, q, 512, grid);
+        const auto ref = cpu_log_mass(w, s.store, q, g.stride);
+        const double worst = check_scores(w, g, ref, "score (long items)");
+        std::printf("[ score long items d=%d G=%d grid=%d ] max |gpu - cpu| = %.2e\n", d, G, grid, worst);
+      }
+    }
+}
+
 // Queries 300x larger: a page's token logits then lie hundreds of nats from its centroid logit, past
 // exp2's range, so the score kernel must take its max-shifted path for those octets (Eq. 4 is still
 // exact in float64 on the CPU).

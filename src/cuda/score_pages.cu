@@ -76,6 +76,15 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
 __device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
+// The use number last issued into a ring slot, published by the issuing warp, awaited by the consumer.
+__device__ __forceinline__ void st_release(uint32_t addr, uint32_t v) {
+  asm volatile("st.release.cta.shared::cta.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t ld_acquire(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.acquire.cta.shared::cta.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   asm volatile(
       "{\n .reg .pred done;\n"
@@ -129,6 +138,7 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
   static_assert(R > kWarps, "the ring must hold more octets than the warps compute");
   extern __shared__ __align__(16) uint8_t ring[];  // [R][8][REC]; private stages: slot 2 warp + (k & 1)
   __shared__ __align__(8) uint64_t full[R];         // slot barriers
+  __shared__ uint32_t slot_use[R];                  // ring: the use whose copy was issued last per slot
   __shared__ float q_s[GT][D];
   __shared__ float q_mul[GT];   // 127 / max|q_g|
   __shared__ int q_sum[GT][2];  // sum_x limb_l[g][x]
@@ -144,7 +154,11 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
 
   const uint32_t ring_s = uint32_t(__cvta_generic_to_shared(ring));
   const uint32_t full_s = uint32_t(__cvta_generic_to_shared(full));
-  if (kRing && threadIdx.x < R) mbar_init(full_s + 8 * threadIdx.x, 32);
+  const uint32_t slot_use_s = uint32_t(__cvta_generic_to_shared(slot_use));
+  if (kRing && threadIdx.x < R) {
+    mbar_init(full_s + 8 * threadIdx.x, 32);
+    slot_use[threadIdx.x] = ~0u;
+  }
   __syncthreads();
   uint32_t uses = 0;  // octets this CTA has put through the ring: octet i of an item is use uses + i
 
@@ -200,7 +214,12 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
           for (int ch = lane; ch < CPR; ch += 32)
             cp_async16(dst0 + uint32_t(pp * REC + ch * 16), src + ch * 16, id >= 0);
         }
-        if constexpr (kRing) cp_async_arrive(full_s + 8 * slot);
+        if constexpr (kRing) {
+          cp_async_arrive(full_s + 8 * slot);
+          // Published after this warp waited for the slot's previous use (its own octet): a consumer
+          // that sees it knows the barrier's previous phase is complete, so its parity wait is valid.
+          if (lane == 0) st_release(slot_use_s + 4 * slot, uses + uint32_t(i));
+        }
       }
       if constexpr (!kRing) cp_async_commit();  // empty past the end: wait_group<1> then still waits for this octet
     };
@@ -368,6 +387,12 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
       if constexpr (kRing) {
         const uint32_t use = uses + uint32_t(i);
         slot = use % R;
+        // The consumer of octet i + R is usually another warp than the one that computed octet i: it
+        // must not test the parity of its phase while the phase before is still incomplete (an
+        // mbarrier answers parity queries only for its current and previous phase), so it first
+        // waits until the copy of this use has been issued.
+        while (ld_acquire(slot_use_s + 4 * slot) != use) {
+        }
         mbar_wait(full_s + 8 * slot, (use / R) & 1u);
       } else {
         slot = 2 * warp + (k & 1);
