@@ -30,7 +30,6 @@
 #include "common.cuh"
 #include "record_layout.h"
 
-
 namespace locks::cuda {
 
 namespace {
@@ -137,8 +136,8 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
   constexpr int R = ring_slots<D, GT, MB>();
   static_assert(R > kWarps, "the ring must hold more octets than the warps compute");
   extern __shared__ __align__(16) uint8_t ring[];  // [R][8][REC]; private stages: slot 2 warp + (k & 1)
-  __shared__ __align__(8) uint64_t full[R];         // slot barriers
-  __shared__ uint32_t slot_use[R];                  // ring: the use whose copy was issued last per slot
+  __shared__ __align__(8) uint64_t full[R];        // slot barriers
+  __shared__ uint32_t slot_use[R];                 // ring: the use whose copy was issued last per slot
   __shared__ float q_s[GT][D];
   __shared__ float q_mul[GT];   // 127 / max|q_g|
   __shared__ int q_sum[GT][2];  // sum_x limb_l[g][x]
@@ -559,7 +558,8 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
       float ms[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e)
-        ms[e] = __half2float(reinterpret_cast<const __half*>(st + (2 * t + e) * REC + L::scales_offset(D))[L::centroid_scale_slot(0)]);
+        ms[e] = __half2float(
+            reinterpret_cast<const __half*>(st + (2 * t + e) * REC + L::scales_offset(D))[L::centroid_scale_slot(0)]);
       __syncwarp();  // every lane is done with the slot
       if constexpr (kRing) issue(i + R, ids_next, slot);
       ids_next = ids_after;
@@ -635,10 +635,10 @@ int score_resident_ctas(int* per_sm_out = nullptr) {
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev);
     int n = 0;
-    if (cudaFuncSetAttribute(score_kernel<D, GT, MB>, cudaFuncAttributeMaxDynamicSharedMemorySize, score_smem_bytes<D, GT, MB>()) !=
-            cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, score_kernel<D, GT, MB>, kThreads, score_smem_bytes<D, GT, MB>()) !=
-            cudaSuccess)
+    if (cudaFuncSetAttribute(score_kernel<D, GT, MB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             score_smem_bytes<D, GT, MB>()) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, score_kernel<D, GT, MB>, kThreads,
+                                                      score_smem_bytes<D, GT, MB>()) != cudaSuccess)
       cudaGetLastError();
     per_sm = std::max(n, 1);
   }
