@@ -204,6 +204,11 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
     };
     auto issue = [&](int i, int32_t ids, uint32_t slot) {  // the warp copies octet i into a slot
       if (i < n_oct) {
+        // Ring: publish the use number first (a consumer that sees it knows the slot's previous phase
+        // is complete: a refill follows this warp's own wait for it, the fill follows the item's
+        // __syncthreads), so its parity wait is valid. Before the copies, so that the release orders
+        // none of them.
+        if (kRing && lane == 0) st_release(slot_use_s + 4 * slot, uses + uint32_t(i));
         const uint32_t dst0 = ring_s + slot * uint32_t(8 * REC);
 #pragma unroll
         for (int pp = 0; pp < 8; ++pp) {
@@ -213,12 +218,7 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
           for (int ch = lane; ch < CPR; ch += 32)
             cp_async16(dst0 + uint32_t(pp * REC + ch * 16), src + ch * 16, id >= 0);
         }
-        if constexpr (kRing) {
-          cp_async_arrive(full_s + 8 * slot);
-          // Published after this warp waited for the slot's previous use (its own octet): a consumer
-          // that sees it knows the barrier's previous phase is complete, so its parity wait is valid.
-          if (lane == 0) st_release(slot_use_s + 4 * slot, uses + uint32_t(i));
-        }
+        if constexpr (kRing) cp_async_arrive(full_s + 8 * slot);
       }
       if constexpr (!kRing) cp_async_commit();  // empty past the end: wait_group<1> then still waits for this octet
     };
@@ -390,8 +390,7 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
         // must not test the parity of its phase while the phase before is still incomplete (an
         // mbarrier answers parity queries only for its current and previous phase), so it first
         // waits until the copy of this use has been issued.
-        while (ld_acquire(slot_use_s + 4 * slot) != use) {
-        }
+        while (ld_acquire(slot_use_s + 4 * slot) != use) __nanosleep(32);
         mbar_wait(full_s + 8 * slot, (use / R) & 1u);
       } else {
         slot = 2 * warp + (k & 1);
