@@ -392,6 +392,7 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
         // waits until the copy of this use has been issued.
         while (ld_acquire(slot_use_s + 4 * slot) != use) __nanosleep(32);
         mbar_wait(full_s + 8 * slot, (use / R) & 1u);
+        __syncwarp();  // the lanes left their spins one by one; the MMAs below need the whole warp
       } else {
         slot = 2 * warp + (k & 1);
         issue(i + kWarps, ids_next, slot ^ 1u);
