@@ -76,12 +76,14 @@ __device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 // The use number last issued into a ring slot, published by the issuing warp, awaited by the consumer.
-__device__ __forceinline__ void st_release(uint32_t addr, uint32_t v) {
-  asm volatile("st.release.cta.shared::cta.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+// Atomics (not st.release / ld.acquire, which order the same way) so that compute-sanitizer racecheck
+// sees synchronisation rather than a racing plain store and load.
+__device__ __forceinline__ void publish_use(uint32_t addr, uint32_t v) {
+  asm volatile("atom.release.cta.shared::cta.exch.b32 _, [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }
-__device__ __forceinline__ uint32_t ld_acquire(uint32_t addr) {
+__device__ __forceinline__ uint32_t read_use(uint32_t addr) {
   uint32_t v;
-  asm volatile("ld.acquire.cta.shared::cta.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+  asm volatile("atom.acquire.cta.shared::cta.or.b32 %0, [%1], 0;\n" : "=r"(v) : "r"(addr) : "memory");
   return v;
 }
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
@@ -208,7 +210,7 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
         // is complete: a refill follows this warp's own wait for it, the fill follows the item's
         // __syncthreads), so its parity wait is valid. Before the copies, so that the release orders
         // none of them.
-        if (kRing && lane == 0) st_release(slot_use_s + 4 * slot, uses + uint32_t(i));
+        if (kRing && lane == 0) publish_use(slot_use_s + 4 * slot, uses + uint32_t(i));
         const uint32_t dst0 = ring_s + slot * uint32_t(8 * REC);
 #pragma unroll
         for (int pp = 0; pp < 8; ++pp) {
@@ -390,9 +392,11 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
         // must not test the parity of its phase while the phase before is still incomplete (an
         // mbarrier answers parity queries only for its current and previous phase), so it first
         // waits until the copy of this use has been issued.
-        while (ld_acquire(slot_use_s + 4 * slot) != use) __nanosleep(32);
+        if (lane == 0)
+          while (read_use(slot_use_s + 4 * slot) != use) __nanosleep(32);
+        __syncwarp();  // orders the other lanes after lane 0's acquire
         mbar_wait(full_s + 8 * slot, (use / R) & 1u);
-        __syncwarp();  // the lanes left their spins one by one; the MMAs below need the whole warp
+        __syncwarp();  // the lanes left their waits one by one; the MMAs below need the whole warp
       } else {
         slot = 2 * warp + (k & 1);
         issue(i + kWarps, ids_next, slot ^ 1u);
