@@ -486,7 +486,7 @@ struct AttnOut {
 };
 
 AttnOut run_attention(const World& w, const std::vector<float>& q, const std::vector<int32_t>* sel,
-                      const std::vector<int32_t>* n_sel, int sel_stride, int pps) {
+                      const std::vector<int32_t>* n_sel, int sel_stride, int pps, bool group_halves = false) {
   int max_list = 0;
   for (int b = 0; b < w.B(); ++b)
     for (int h = 0; h < w.H; ++h)
@@ -515,6 +515,7 @@ AttnOut run_attention(const World& w, const std::vector<float>& q, const std::ve
   p.partial_lse = dpl.p;
   p.counters = dcnt.p;
   p.pdl = true;
+  p.group_halves = group_halves;
   ck(lc::paged_decode_attention(p, nullptr), "paged_decode_attention");
   dev_sync();
   for (uint32_t c : dcnt.down()) EXPECT_EQ(c, 0u) << "attention counters must be left at zero";
@@ -846,9 +847,12 @@ TEST(CudaAttention, DenseAndSparseMatchCpuF16AndBf16) {
         const auto q = w.queries(G);
         const char* tag = dt == lc::KvType::kF16 ? "dense f16" : "dense bf16";
         double worst = 0.0;
-        for (int pps : {1, 4, 13, 64}) {
-          const AttnOut g = run_attention(w, q, nullptr, nullptr, 0, pps);
-          worst = std::max(worst, check_attention(w, q, g, dense_lists(w), tag));
+        for (bool halves : {false, true}) {
+          if (halves && G <= 8) continue;  // two CTAs of <= 8 heads: only for G > 8
+          for (int pps : {1, 4, 13, 64}) {
+            const AttnOut g = run_attention(w, q, nullptr, nullptr, 0, pps, halves);
+            worst = std::max(worst, check_attention(w, q, g, dense_lists(w), tag));
+          }
         }
         // Sparse: random ascending subsets with sink and recent, budget 12 pages.
         const int k = 12;
@@ -866,9 +870,12 @@ TEST(CudaAttention, DenseAndSparseMatchCpuF16AndBf16) {
             nsel[size_t(b) * w.H + h] = int32_t(l.size());
             std::copy(l.begin(), l.end(), sel.begin() + (size_t(b) * w.H + h) * k);
           }
-        for (int pps : {1, 3, 4}) {
-          const AttnOut g = run_attention(w, q, &sel, &nsel, k, pps);
-          worst = std::max(worst, check_attention(w, q, g, lists, "sparse"));
+        for (bool halves : {false, true}) {
+          if (halves && G <= 8) continue;
+          for (int pps : {1, 3, 4}) {
+            const AttnOut g = run_attention(w, q, &sel, &nsel, k, pps, halves);
+            worst = std::max(worst, check_attention(w, q, g, lists, "sparse"));
+          }
         }
         std::printf("[ attention %s d=%d G=%d ] max rel err %.2e\n", dt == lc::KvType::kF16 ? "f16" : "bf16", d, G,
                     worst);
@@ -882,6 +889,9 @@ TEST(CudaAttention, EmptyListGivesZeroAndNegInf) {
   std::vector<int32_t> sel(4, 0), nsel(1, 0);
   const AttnOut g = run_attention(w, q, &sel, &nsel, 4, 4);
   check_attention(w, q, g, {{}}, "empty");
+  World w11(64, 1, 11, {40}, lc::KvType::kF16, 1, false);  // G > 8 as two CTAs of <= 8 heads
+  const auto q11 = w11.queries(1);
+  check_attention(w11, q11, run_attention(w11, q11, &sel, &nsel, 4, 4, true), {{}}, "empty, group halves");
 }
 
 // The whole LOCKS step through the plan (GPU-built summaries), eager and from a CUDA graph.

@@ -356,6 +356,7 @@ int run_bench(const BenchOptions& o) {
           atp.counters = reinterpret_cast<uint32_t*>(ws.as<char>() + plan.off_counters_sparse);
           atp.pdl = o.pdl;
           atp.pdl_early_reads = o.pdl;
+          atp.group_halves = plan.sparse_group_halves;
         }
         cudaGraphExec_t g_locks = capture(s, [&] { ck(locks_decode_step(plan, sp, s), "locks step"); });
         cudaGraphExec_t g_dense = capture(s, [&] { ck(dense_decode_step(plan, sp, s), "dense step"); });

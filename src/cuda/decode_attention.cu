@@ -46,9 +46,12 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
   __shared__ float warp_m[kWarps][GT], warp_l[kWarps][GT];
   __shared__ int last_flag;
 
-  const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  // Group halves (GT = 8, G > 8): CTAs 2s and 2s + 1 run heads [0, 8) and [8, G) of split s.
+  const int nh = (GT == 8 && p.group > 8) ? 2 : 1;
+  const int s = blockIdx.x / nh, half = blockIdx.x % nh, h = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int H = p.kv.n_head_kv, G = p.group;
+  const int row0 = 8 * half, GL = nh == 1 ? G : min(8, G - row0);  // this CTA's head rows
   const size_t bh = size_t(b) * H + h;
 
   const bool early = p.pdl_early_reads;
@@ -62,8 +65,8 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
 
   // q * scale * log2(e) -> A fragments (hi/lo); with early reads this overlaps the previous kernel.
   const float qmul = p.scale * kLog2e;
-  const float* qg = p.q + bh * G * D;
-  for (int e = threadIdx.x; e < GT * D; e += kThreads) q_s[e / D][e % D] = (e / D) < G ? qg[e] * qmul : 0.0f;
+  const float* qg = p.q + (bh * G + row0) * D;
+  for (int e = threadIdx.x; e < GT * D; e += kThreads) q_s[e / D][e % D] = (e / D) < GL ? qg[e] * qmul : 0.0f;
   __syncthreads();
   uint32_t aq[KS][4];
   uint32_t aq_lo[ROWS == 2 ? KS : 1][4];
@@ -103,7 +106,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
   const int pps = p.pages_per_split;
   const int active = (n_list + pps - 1) / pps;
   if (n_list <= 0) {  // empty sequence or list: o = 0, lse = -inf
-    if (s == 0) {
+    if (blockIdx.x == 0) {
       for (int e = threadIdx.x; e < G * D; e += kThreads) o_out[e] = 0.0f;
       if (p.lse && threadIdx.x < G) p.lse[bh * G + threadIdx.x] = -INFINITY;
     }
@@ -274,9 +277,9 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
 
   // Combine the warps: this split's normalised output and log2-sum-exp per head.
   const bool single = active == 1;
-  float* po = p.partial_o + (bh * p.n_splits + s) * 16 * D;
-  float* pl = p.partial_lse + (bh * p.n_splits + s) * 16;
-  for (int e = threadIdx.x; e < G * D; e += kThreads) {
+  float* po = p.partial_o + ((bh * p.n_splits + s) * 16 + row0) * D;
+  float* pl = p.partial_lse + (bh * p.n_splits + s) * 16 + row0;
+  for (int e = threadIdx.x; e < GL * D; e += kThreads) {
     const int row = e / D, x = e % D;
     float M = -INFINITY;
 #pragma unroll
@@ -292,15 +295,15 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
     const float ov = lsum > 0.0f ? osum / lsum : 0.0f;
     const float l2 = lsum > 0.0f ? M + log2f(lsum) : -INFINITY;
     if (single) {
-      o_out[row * D + x] = ov;
-      if (p.lse && x == 0) p.lse[bh * G + row] = l2 * kLn2;
+      o_out[(row0 + row) * D + x] = ov;
+      if (p.lse && x == 0) p.lse[bh * G + row0 + row] = l2 * kLn2;
     } else {
       po[row * D + x] = ov;
       if (x == 0) pl[row] = l2;
     }
   }
   if (single || p.n_splits > p.merge_kernel_above) return;  // many splits: merge_kernel does it
-  if (!last_cta_done(p.counters + bh, uint32_t(active), &last_flag)) return;
+  if (!last_cta_done(p.counters + bh, uint32_t(active * nh), &last_flag)) return;
 
   // Last CTA: log-sum-exp merge of the splits. Weights staged in shared memory.
   float* wts = &warp_o[0][0][0];  // [active][16]
@@ -431,7 +434,8 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(AttentionParams p) {
 template <int D, int GT, typename T>
 cudaError_t launch_attention(const AttentionParams& p, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(p.n_splits), unsigned(p.kv.n_head_kv), unsigned(p.kv.batch));
+  const unsigned nh = (GT == 8 && p.group > 8) ? 2u : 1u;
+  cfg.gridDim = dim3(unsigned(p.n_splits) * nh, unsigned(p.kv.n_head_kv), unsigned(p.kv.batch));
   cfg.blockDim = dim3(kThreads);
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
@@ -447,7 +451,7 @@ cudaError_t launch_attention(const AttentionParams& p, cudaStream_t stream) {
 
 template <int D>
 cudaError_t dispatch_attention(const AttentionParams& p, cudaStream_t stream) {
-  const bool wide = p.group > 8;
+  const bool wide = p.group > 8 && !p.group_halves;
   if (p.kv.dtype == KvType::kBF16)
     return wide ? launch_attention<D, 16, __nv_bfloat16>(p, stream) : launch_attention<D, 8, __nv_bfloat16>(p, stream);
   return wide ? launch_attention<D, 16, __half>(p, stream) : launch_attention<D, 8, __half>(p, stream);
@@ -467,8 +471,8 @@ int occupancy_of() {
   return std::max(n, 1);
 }
 
-int attention_ctas_per_sm(int head_dim, int group, KvType dtype) {
-  const bool wide = group > 8, bf = dtype == KvType::kBF16;
+int attention_ctas_per_sm(int head_dim, int group, KvType dtype, bool group_halves) {
+  const bool wide = group > 8 && !group_halves, bf = dtype == KvType::kBF16;
   if (head_dim == 64)
     return bf ? (wide ? occupancy_of<64, 16, __nv_bfloat16>() : occupancy_of<64, 8, __nv_bfloat16>())
               : (wide ? occupancy_of<64, 16, __half>() : occupancy_of<64, 8, __half>());

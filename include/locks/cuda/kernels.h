@@ -169,6 +169,9 @@ struct AttentionParams {
   /// instead of in the last CTA of each (sequence, KV head): one CTA merging up to 1 MB of partials
   /// is latency-bound.
   int merge_kernel_above = 16;
+  /// G > 8 only: run each split as two CTAs of at most 8 heads (rows [0, 8) and [8, G)), the second
+  /// reading K/V mostly from the L2, instead of one CTA with all G heads as MMA rows.
+  bool group_halves = false;
 };
 cudaError_t paged_decode_attention(const AttentionParams& p, cudaStream_t stream);
 
@@ -192,6 +195,7 @@ struct DecodePlan {
   int log_mass_stride = 0;
   int sparse_pages_per_split = 0, sparse_splits = 0;
   int dense_pages_per_split = 0, dense_splits = 0;
+  bool sparse_group_halves = false;  // AttentionParams::group_halves of the sparse attention
   bool pdl = true;
   size_t workspace_bytes = 0;
   // Byte offsets inside the workspace.
