@@ -352,6 +352,7 @@ ScoreOut run_score(const World& w, const std::vector<uint8_t>& records, const st
   Dev<uint32_t> dcnt(lc::score_counters(w.B(), w.H));
   dcnt.fill_bytes(0);
   dlm.fill_bytes(0x7f);  // poison: every scored entry must be written
+  dlse.fill_bytes(0x7f);
   lc::ScoreParams p;
   p.q = dq.p;
   p.kv = w.view();
@@ -398,10 +399,12 @@ double check_scores(const World& w, const ScoreOut& g, const std::vector<float>&
           EXPECT_LE(err, 1e-3 + 1e-4 * std::abs(r) + range_rel * row_max)
               << what << ": b " << b << " h " << h << " g " << gg << " page " << j << " gpu " << a << " cpu " << r;
         }
+        const float got_lt = g.lse_total[(size_t(b) * w.H + h) * w.G + gg];
         if (n > 0) {
           const double lt = lse_of(&ref[row], n);
-          EXPECT_NEAR(g.lse_total[(size_t(b) * w.H + h) * w.G + gg], lt, 1e-3 + 1e-4 * std::abs(lt) + range_rel * row_max)
-              << what;
+          EXPECT_NEAR(got_lt, lt, 1e-3 + 1e-4 * std::abs(lt) + range_rel * row_max) << what;
+        } else {
+          EXPECT_EQ(got_lt, -INFINITY) << what << ": the log of an empty sum, b " << b << " h " << h;
         }
       }
   return worst;
@@ -698,7 +701,7 @@ TEST(CudaScore, MatchesCpuStoreAllGroupSizes) {
   SKIP_WITHOUT_CUDA();
   for (int d : {64, 128})
     for (int G : {1, 2, 4, 5, 6, 7, 8, 9, 12, 16}) {
-      World w(d, 2, G, {16 * 45 + 3, 16 * 70, 7, 16 * 3 + 15}, lc::KvType::kF16, 100 + d + G);
+      World w(d, 2, G, {16 * 45 + 3, 16 * 70, 0, 7, 16 * 3 + 15}, lc::KvType::kF16, 100 + d + G);
       Summaries s(w);
       const auto q = w.queries(7 + G);
       // Chunks of 32 or 64 pages; persistent grids of 3 CTAs (many items each) or a full device.

@@ -97,13 +97,18 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
   }
 
   if (early) pdl_wait();
-  // Sparse: this warp's first list entry is read together with the list length (one round trip
-  // instead of two; the entry is in bounds of the list buffer and only used if the list reaches it).
+  // This warp takes list entries li0, li0 + 4, ... of its split; its m-th entry is li0 + 4 m.
+  // Sparse: its first 32 entries are read together with the list length (one round trip instead of
+  // two; they are in bounds of the list buffer and only used where the list reaches them).
   const int32_t* sel = sparse ? p.selected + bh * p.selected_stride : nullptr;
-  const int li_first = s * p.pages_per_split + warp;
-  const int j_first = (sparse && li_first < p.selected_stride) ? __ldg(sel + li_first) : li_first;
-  const int n_list = n_pages <= 0 ? 0 : (sparse ? p.n_selected[bh] : n_pages);
   const int pps = p.pages_per_split;
+  const int li0 = s * pps + warp;
+  int32_t j_pre = 0;
+  if (sparse) {
+    const int li = li0 + 4 * lane;
+    if (li < min((s + 1) * pps, p.selected_stride)) j_pre = __ldg(sel + li);
+  }
+  const int n_list = n_pages <= 0 ? 0 : (sparse ? p.n_selected[bh] : n_pages);
   const int active = (n_list + pps - 1) / pps;
   if (n_list <= 0) {  // empty sequence or list: o = 0, lse = -inf
     if (blockIdx.x == 0) {
@@ -128,13 +133,26 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
   const uint16_t* vpool = static_cast<const uint16_t*>(p.kv.v);
   const int32_t* idx = p.kv.indices + pbeg;
   const int list1 = min((s + 1) * pps, n_list);
+  const int n_mine = max(0, (list1 - li0 + kWarps - 1) / kWarps);  // this warp's entries
 
-  // Page at list entry li: position j, its page id and its valid token count.
-  auto page_of = [&](int li, size_t& off, int& len) {
-    const int j = li == li_first ? j_first : sparse ? __ldg(sel + li) : li;
-    const int32_t id = __ldg(idx + j);
-    len = j == n_pages - 1 ? last_len : kPageSize;
-    off = (size_t(id) * H + h) * size_t(kPageSize) * D;
+  // Page ids come 32 entries at a time, one per lane, a chunk ahead of their use, so the loop's only
+  // dependent loads are K and V (not list entry -> page id -> K). Bit 31 marks the sequence's last page.
+  auto ids_of = [&](int r) -> int32_t {  // lane's entry of chunk r
+    const int m = 32 * r + lane;
+    if (m >= n_mine) return 0;
+    const int j = !sparse ? li0 + kWarps * m : r == 0 ? j_pre : __ldg(sel + li0 + kWarps * m);
+    return __ldg(idx + j) | (j == n_pages - 1 ? INT32_MIN : 0);
+  };
+  int32_t ids_cur = ids_of(0), ids_nxt = n_mine > 32 ? ids_of(1) : 0;
+  // The warp's m-th entry (called for m = 0, 1, 2, ... in order): its K/V offset and token count.
+  auto page_of = [&](int m, size_t& off, int& len) {
+    if (m > 0 && (m & 31) == 0) {
+      ids_cur = ids_nxt;
+      ids_nxt = ids_of((m >> 5) + 1);
+    }
+    const int32_t e = __shfl_sync(kFull, ids_cur, m & 31);
+    len = e < 0 ? last_len : kPageSize;
+    off = (size_t(e & 0x7fffffff) * H + h) * size_t(kPageSize) * D;
   };
   uint4 kr[2][NKC], vr[4][NVC];
   auto load_k = [&](size_t off, int len) {
@@ -156,20 +174,19 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
     }
   };
 
-  int li = s * pps + warp;
   size_t off = 0;
   int len = 0;
-  if (li < list1) {
-    page_of(li, off, len);
+  if (n_mine > 0) {
+    page_of(0, off, len);
     load_k(off, len);
     load_v(off, len);
   }
-  for (; li < list1; li += kWarps) {
+  for (int m = 0; m < n_mine; ++m) {
     const int cur_len = len;
-    const int nli = li + kWarps;
+    const bool more = m + 1 < n_mine;
     size_t noff = 0;
     int nlen = 0;
-    if (nli < list1) page_of(nli, noff, nlen);
+    if (more) page_of(m + 1, noff, nlen);
 
     // S = Q K^T (log2 units), two n-tiles of 8 tokens.
     float sc0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sc1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -183,7 +200,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
         mma_16816(sc1, aq_lo[kk], u4w(kr[1][i], 2 * hh), u4w(kr[1][i], 2 * hh + 1), T());
       }
     }
-    if (nli < list1) load_k(noff, nlen);  // next page's K while this one finishes
+    if (more) load_k(noff, nlen);  // next page's K while this one finishes
 
     // Online softmax per head row; this lane holds tokens 2t, 2t+1, 8+2t, 9+2t.
     const bool valid[4] = {2 * t < cur_len, 2 * t + 1 < cur_len, 8 + 2 * t < cur_len, 9 + 2 * t < cur_len};
@@ -246,7 +263,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
       mma_16816(o[nt], ap, b0, b1, T());
       if constexpr (ROWS == 2) mma_16816(o[nt], ap_lo, b0, b1, T());
     }
-    if (nli < list1) load_v(noff, nlen);
+    if (more) load_v(noff, nlen);
     len = nlen;
   }
 
@@ -352,66 +369,66 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
 }
 
 // LSE merge of many splits: one CTA per (head row, KV head, sequence); thread (group q, lane x4)
-// sums the float4 x4 of the splits s = q (mod groups), then the groups are added in shared memory.
+// sums the float4 x4 of the splits s = q (mod groups). Everything it reads (the list length, the
+// splits' LSE and partial outputs) is requested at once, so the merge costs one round trip instead
+// of a chain of four; entries of splits past the active ones are stale and never used.
 template <int D>
 __global__ void __launch_bounds__(kThreads) merge_kernel(AttentionParams p) {
-  constexpr int kLanes = D / 4, kGroups = kThreads / kLanes;
+  constexpr int kLanes = D / 4, kGroups = kThreads / kLanes, kPer = kMaxSplits / kGroups;
+  static_assert(kMaxSplits <= kThreads, "one split LSE per thread");
   __shared__ float wts[kMaxSplits];
-  __shared__ float red[kThreads];
+  __shared__ float red_m[kWarps], red_l[kWarps];
   __shared__ float4 part[kGroups][kLanes];
   pdl_wait();
   pdl_launch_dependents();
   const int row = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const int H = p.kv.n_head_kv, G = p.group;
+  const int H = p.kv.n_head_kv, G = p.group, ns = p.n_splits;
   const size_t bh = size_t(b) * H + h;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int q = threadIdx.x / kLanes, x4 = threadIdx.x % kLanes;
+  const float lv_all = int(threadIdx.x) < ns ? __ldcg(p.partial_lse + (bh * ns + threadIdx.x) * 16 + row) : -INFINITY;
+  const float4* po = reinterpret_cast<const float4*>(p.partial_o + (bh * ns * 16 + row) * D) + x4;
+  float4 v[kPer];
+#pragma unroll
+  for (int u = 0; u < kPer; ++u) {
+    const int s = q + u * kGroups;
+    v[u] = s < ns ? __ldcg(po + size_t(s) * 16 * kLanes) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
   const int n_pages = p.kv.indptr[b + 1] - p.kv.indptr[b];
   const int n_list = n_pages <= 0 ? 0 : (p.selected ? p.n_selected[bh] : n_pages);
   const int active = (n_list + p.pages_per_split - 1) / p.pages_per_split;
   if (active <= 1) return;  // written by the attention kernel
-  const float* pl = p.partial_lse + bh * p.n_splits * 16 + row;
-  float m = -INFINITY;
-  for (int s = threadIdx.x; s < active; s += kThreads) m = fmaxf(m, pl[size_t(s) * 16]);
-  red[threadIdx.x] = m;
+
+  const float lv = int(threadIdx.x) < active ? lv_all : -INFINITY;
+  float m = lv;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, o));
+  if (lane == 0) red_m[warp] = m;
   __syncthreads();
-  for (int w = kThreads / 2; w > 0; w >>= 1) {
-    if (int(threadIdx.x) < w) red[threadIdx.x] = fmaxf(red[threadIdx.x], red[threadIdx.x + w]);
-    __syncthreads();
-  }
-  const float M = red[0];
+  float M = red_m[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) M = fmaxf(M, red_m[w]);
+  const float wt = lv == -INFINITY ? 0.0f : exp2f(lv - M);
+  if (int(threadIdx.x) < kMaxSplits) wts[threadIdx.x] = wt;
+  float l = wt;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(kFull, l, o);
+  if (lane == 0) red_l[warp] = l;
   __syncthreads();
-  float l = 0.0f;
-  for (int s = threadIdx.x; s < active; s += kThreads) {
-    const float lv = pl[size_t(s) * 16];
-    const float wt = lv == -INFINITY ? 0.0f : exp2f(lv - M);
-    wts[s] = wt;
-    l += wt;
-  }
-  red[threadIdx.x] = l;
-  __syncthreads();
-  for (int w = kThreads / 2; w > 0; w >>= 1) {
-    if (int(threadIdx.x) < w) red[threadIdx.x] += red[threadIdx.x + w];
-    __syncthreads();
-  }
-  const float L = red[0];
-  const int q = threadIdx.x / kLanes, x4 = threadIdx.x % kLanes;
-  const float4* po = reinterpret_cast<const float4*>(p.partial_o + (bh * p.n_splits * 16 + row) * D) + x4;
+  float L = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) L += red_l[w];
+
   float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  constexpr int kBatch = 16;
-  for (int s0 = q; s0 < active; s0 += kGroups * kBatch) {
-    float4 v[kBatch];
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int s = s0 + u * kGroups;
-      v[u] = s < active ? po[size_t(s) * 16 * kLanes] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int s = s0 + u * kGroups;
-      const float wt = s < active ? wts[s] : 0.0f;
-      acc.x += wt * v[u].x;
-      acc.y += wt * v[u].y;
-      acc.z += wt * v[u].z;
-      acc.w += wt * v[u].w;
+  for (int u = 0; u < kPer; ++u) {
+    const int s = q + u * kGroups;
+    if (s < active) {  // not a multiply by 0: a stale entry may hold anything
+      const float w = wts[s];
+      acc.x += w * v[u].x;
+      acc.y += w * v[u].y;
+      acc.z += w * v[u].z;
+      acc.w += w * v[u].w;
     }
   }
   part[q][x4] = acc;

@@ -138,8 +138,8 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
   constexpr int R = ring_slots<D, GT, MB>();
   static_assert(R > kWarps, "the ring must hold more octets than the warps compute");
   extern __shared__ __align__(16) uint8_t ring[];  // [R][8][REC]; private stages: slot 2 warp + (k & 1)
-  __shared__ __align__(8) uint64_t full[R];        // slot barriers
-  __shared__ uint32_t slot_use[R];                 // ring: the use whose copy was issued last per slot
+  __shared__ __align__(8) uint64_t full[kRing ? R : 1];  // ring: slot barriers
+  __shared__ uint32_t slot_use[kRing ? R : 1];            // ring: the use whose copy was issued last per slot
   __shared__ float q_s[GT][D];
   __shared__ float q_mul[GT];   // 127 / max|q_g|
   __shared__ int q_sum[GT][2];  // sum_x limb_l[g][x]
@@ -184,7 +184,10 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
     const int b = int(bh / H), h = int(bh % H);
     const int pbeg = p.kv.indptr[b];
     const int n_pages = p.kv.indptr[b + 1] - pbeg;
-    if (n_pages <= 0) continue;
+    if (n_pages <= 0) {  // an empty sequence: no shares to normalise
+      if (c == 0 && int(threadIdx.x) < G) p.lse_total[bh * G + threadIdx.x] = -INFINITY;
+      continue;
+    }
     const int last_len = p.kv.last_page_len[b];
     const bool partial = last_len < kPageSize;
     const int n_scored = partial ? n_pages - 1 : n_pages;  // pages scored from summaries

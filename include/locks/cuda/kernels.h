@@ -81,11 +81,13 @@ cudaError_t summary_build(const SummaryBuildParams& p, cudaStream_t stream);
 /// summary: log_mass[b][h][g][j] = s_hat_j(q_g). The last page of a sequence, when partial
 /// (last_page_len < 16), has no summary: its exact log-mass is computed from its keys, as the CPU
 /// selector does. Also produces the per-head normaliser of the shares (Eq. 5):
-/// lse_total[b][h][g] = logsumexp_j log_mass[b][h][g][j].
-/// Launch contract: `grid` persistent CTAs of 128 threads (about 53 KB of shared memory at d 128)
-/// walk the work items (b, h, chunk c) round-robin; an item scores positions [c * chunk_pages,
-/// (c + 1) * chunk_pages), each warp 8 pages at a time (int8 tensor cores: Q x basis, Q x centroid;
-/// f16: W x coefficients) with the next 8 records in flight (cp.async). Each item writes its chunk's
+/// lse_total[b][h][g] = logsumexp_j log_mass[b][h][g][j] (-inf for a sequence without pages).
+/// Launch contract: `grid` persistent CTAs of 128 threads walk the work items (b, h, chunk c)
+/// round-robin; an item scores positions [c * chunk_pages, (c + 1) * chunk_pages), each warp 8 pages
+/// (an octet) at a time (int8 tensor cores: Q x basis, Q x centroid; f16: W x coefficients). Records
+/// arrive by cp.async: G <= 8 through a ring of octet slots shared by the CTA's warps (10 slots,
+/// 66.6 KB of shared memory at d 128, 3 CTAs/SM), G > 8 through two stages per warp (53 KB, 2 CTAs/SM).
+/// Each item writes its chunk's
 /// (max, sum) and the last item of (b, h) merges them. counters has batch * n_head_kv + 2 entries
 /// (the last two reserved), zero before the first launch and left zero afterwards.
 struct ScoreParams {
