@@ -489,7 +489,8 @@ struct AttnOut {
 };
 
 AttnOut run_attention(const World& w, const std::vector<float>& q, const std::vector<int32_t>* sel,
-                      const std::vector<int32_t>* n_sel, int sel_stride, int pps, bool group_halves = false) {
+                      const std::vector<int32_t>* n_sel, int sel_stride, int pps, bool group_halves = false,
+                      int merge_kernel_above = 16) {
   int max_list = 0;
   for (int b = 0; b < w.B(); ++b)
     for (int h = 0; h < w.H; ++h)
@@ -519,6 +520,7 @@ AttnOut run_attention(const World& w, const std::vector<float>& q, const std::ve
   p.counters = dcnt.p;
   p.pdl = true;
   p.group_halves = group_halves;
+  p.merge_kernel_above = merge_kernel_above;
   ck(lc::paged_decode_attention(p, nullptr), "paged_decode_attention");
   dev_sync();
   for (uint32_t c : dcnt.down()) EXPECT_EQ(c, 0u) << "attention counters must be left at zero";
@@ -856,6 +858,9 @@ TEST(CudaAttention, DenseAndSparseMatchCpuF16AndBf16) {
             const AttnOut g = run_attention(w, q, nullptr, nullptr, 0, pps, halves);
             worst = std::max(worst, check_attention(w, q, g, dense_lists(w), tag));
           }
+          // 41 splits merged by the last CTA instead of the merge kernel.
+          const AttnOut g = run_attention(w, q, nullptr, nullptr, 0, 1, halves, 128);
+          worst = std::max(worst, check_attention(w, q, g, dense_lists(w), tag));
         }
         // Sparse: random ascending subsets with sink and recent, budget 12 pages.
         const int k = 12;
