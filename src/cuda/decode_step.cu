@@ -104,8 +104,8 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device) {
   const long slots = long(p.n_sm) * attention_ctas_per_sm(sh.head_dim, sh.group, sh.dtype, false);
   const int sel = std::min(sh.budget_pages, sh.max_pages);
   {
-    const long sparse_slots = long(p.n_sm) * attention_ctas_per_sm(sh.head_dim, sh.group, sh.dtype, true) /
-                              (p.sparse_group_halves ? 2 : 1);
+    const long sparse_slots =
+        long(p.n_sm) * attention_ctas_per_sm(sh.head_dim, sh.group, sh.dtype, true) / (p.sparse_group_halves ? 2 : 1);
     const int want = std::max(1, int(sparse_slots / bh));
     int pps = std::max(8, int(align_up(size_t(div_up(sel, want)), 4)));
     pps = std::max(pps, div_up(sel, max_splits));

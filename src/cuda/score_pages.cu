@@ -137,9 +137,9 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
   constexpr bool kRing = use_ring<GT>();
   constexpr int R = ring_slots<D, GT, MB>();
   static_assert(R > kWarps, "the ring must hold more octets than the warps compute");
-  extern __shared__ __align__(16) uint8_t ring[];  // [R][8][REC]; private stages: slot 2 warp + (k & 1)
+  extern __shared__ __align__(16) uint8_t ring[];        // [R][8][REC]; private stages: slot 2 warp + (k & 1)
   __shared__ __align__(8) uint64_t full[kRing ? R : 1];  // ring: slot barriers
-  __shared__ uint32_t slot_use[kRing ? R : 1];            // ring: the use whose copy was issued last per slot
+  __shared__ uint32_t slot_use[kRing ? R : 1];           // ring: the use whose copy was issued last per slot
   __shared__ float q_s[GT][D];
   __shared__ float q_mul[GT];   // 127 / max|q_g|
   __shared__ int q_sum[GT][2];  // sum_x limb_l[g][x]
