@@ -2,6 +2,9 @@
 // f16 KV), summary build throughput, and the reference model's prefill / decode speed.
 // Ratios come from one process, alternating the two paths, medians of repeated runs, with the
 // CPU caches flushed before every timed run so neither side is helped by the other's reads.
+#include <fmt/format.h>
+#include <omp.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -10,9 +13,6 @@
 #include <random>
 #include <sstream>
 #include <vector>
-
-#include <fmt/format.h>
-#include <omp.h>
 
 #include "commands.h"
 #include "locks/attention.h"
@@ -90,9 +90,10 @@ void fill_cache(PagedKvCache& cache, KvSequence& seq, int n_tokens, uint64_t see
 
 void bench_attention(const BenchArgs& a) {
   const int H = a.n_head_kv, G = a.n_group, d = a.head_dim, B = 16;
-  fmt::print("== decode attention, one layer: {} KV heads x {} query heads (G={}), head_dim {}, f16 KV, "
-             "LOCKS budget {} tokens (r=8, int4 basis), {} threads, median of {} runs ==\n",
-             H, H * G, G, d, a.budget, omp_get_max_threads(), a.runs);
+  fmt::print(
+      "== decode attention, one layer: {} KV heads, {} query heads each ({} in all), head_dim {}, f16 KV, "
+      "LOCKS budget {} tokens (r=8, int4 basis), {} threads, median of {} runs ==\n",
+      H, G, H * G, d, a.budget, omp_get_max_threads(), a.runs);
   fmt::print("{:>8} | {:>12} {:>12} {:>7} | {:>10} {:>10} {:>7} | {:>12}\n", "context", "dense us", "locks us",
              "speedup", "dense KiB", "locks KiB", "fewer", "build pg/s");
   for (int ctx : a.contexts) {
@@ -157,8 +158,8 @@ void bench_attention(const BenchArgs& a) {
       }
     }
     const double md = median(td), ml = median(tl);
-    fmt::print("{:>8} | {:>12.1f} {:>12.1f} {:>6.2f}x | {:>10.1f} {:>10.1f} {:>6.2f}x | {:>12.0f}\n", ctx, md, ml, md / ml,
-               dense_bytes / 1024, locks_bytes / 1024, dense_bytes / locks_bytes,
+    fmt::print("{:>8} | {:>12.1f} {:>12.1f} {:>6.2f}x | {:>10.1f} {:>10.1f} {:>6.2f}x | {:>12.0f}\n", ctx, md, ml,
+               md / ml, dense_bytes / 1024, locks_bytes / 1024, dense_bytes / locks_bytes,
                double(full_pages.size()) * H / build_s);
     std::fflush(stdout);
   }
@@ -212,10 +213,11 @@ void bench_model(const BenchArgs& a) {
     t.dense_bytes -= warm.dense_bytes;
     t.select_seconds -= warm.select_seconds;
     t.attend_seconds -= warm.attend_seconds;
-    fmt::print("decode at {} context, {:>5} (budget {}): {:.1f} tokens/s, attention read/step {:.0f} KiB "
-               "(dense {:.0f} KiB), select {:.2f} ms + attend {:.2f} ms per step\n",
-               ctx, name, a.budget, t.steps / t.seconds, t.bytes_read / t.steps / 1024, t.dense_bytes / t.steps / 1024,
-               1e3 * t.select_seconds / t.steps, 1e3 * t.attend_seconds / t.steps);
+    fmt::print(
+        "decode at {} context, {:>5} (budget {}): {:.1f} tokens/s, attention read/step {:.0f} KiB "
+        "(dense {:.0f} KiB), select {:.2f} ms + attend {:.2f} ms per step\n",
+        ctx, name, a.budget, t.steps / t.seconds, t.bytes_read / t.steps / 1024, t.dense_bytes / t.steps / 1024,
+        1e3 * t.select_seconds / t.steps, 1e3 * t.attend_seconds / t.steps);
   }
 }
 
@@ -249,39 +251,61 @@ int bench_cuda(const BenchArgs& a, bool custom_shape, bool budget_given, bool ru
 
 Runner add_bench(CLI::App& app) {
   auto a = std::make_shared<BenchArgs>();
-  CLI::Option* o_ctx = app.add_option("--contexts", a->contexts, "context lengths in tokens for the attention benchmark (comma list)")
-      ->delimiter(',')
-      ->check(CLI::Range(32, 1 << 24));
-  CLI::Option* o_kv = app.add_option("--kv-heads", a->n_head_kv, "KV heads")->check(CLI::Range(1, 64));
-  CLI::Option* o_grp = app.add_option("--group", a->n_group, "query heads per KV head (G)")->check(CLI::Range(1, 64));
-  CLI::Option* o_hd =
-      app.add_option("--head-dim", a->head_dim, "head dimension (multiple of 8, <= 256)")->check(CLI::Range(8, 256));
+  CLI::Option* o_ctx =
+      app.add_option("--contexts", a->contexts, "context lengths in tokens for the attention benchmark (comma list)")
+          ->delimiter(',')
+          ->check(number_text())
+          ->check(CLI::Range(32, 1 << 24));
+  CLI::Option* o_kv =
+      app.add_option("--kv-heads", a->n_head_kv, "KV heads")->check(number_text())->check(CLI::Range(1, 64));
+  CLI::Option* o_grp = app.add_option("--group", a->n_group, "query heads per KV head (G)")
+                           ->check(number_text())
+                           ->check(CLI::Range(1, 64));
+  CLI::Option* o_hd = app.add_option("--head-dim", a->head_dim, "head dimension (multiple of 8, <= 256)")
+                          ->check(number_text())
+                          ->check(CLI::Range(8, 256));
   CLI::Option* o_bud = app.add_option("-b,--budget", a->budget, "LOCKS budget in tokens (multiple of 16)")
+                           ->check(number_text())
                            ->check(CLI::Range(32, 1 << 24));
-  CLI::Option* o_runs =
-      app.add_option("--runs", a->runs, "timed runs per context (median reported)")->check(CLI::Range(1, 10000));
+  CLI::Option* o_runs = app.add_option("--runs", a->runs, "timed runs per context (median reported)")
+                            ->check(number_text())
+                            ->check(CLI::Range(1, 10000));
   // ---- CUDA (`--device cuda`) ----
-  app.add_option("--device", a->device, "cpu (default) or cuda: the GPU kernels, issue 3's shapes unless "
-                                        "--contexts/--kv-heads/--group/--head-dim are given; budget 2048")
+  app.add_option("--device", a->device,
+                 "cpu (default) or cuda: the GPU kernels, issue 3's shapes unless "
+                 "--contexts/--kv-heads/--group/--head-dim are given; budget 2048")
       ->check(CLI::IsMember({"cpu", "cuda"}));
-  app.add_option("--batches", a->batches, "cuda: batch sizes")->delimiter(',')->check(CLI::Range(1, 256));
-  app.add_option("--csv", a->csv, "cuda: also write the results as CSV to this path");
-  app.add_flag("--f16", a->f16, "cuda: f16 KV instead of bf16");
-  app.add_flag("--no-pdl", a->no_pdl, "cuda: launch the step's kernels without programmatic dependent launch");
+  const std::vector<CLI::Option*> cuda_only = {
+      app.add_option("--batches", a->batches, "cuda: batch sizes")
+          ->delimiter(',')
+          ->check(number_text())
+          ->check(CLI::Range(1, 256)),
+      app.add_option("--csv", a->csv, "cuda: also write the results as CSV to this path"),
+      app.add_flag("--f16", a->f16, "cuda: f16 KV instead of bf16"),
+      app.add_flag("--no-pdl", a->no_pdl, "cuda: launch the step's kernels without programmatic dependent launch")};
   // ---- end CUDA ----
   app.add_option("-m,--model", a->model, "GGUF model for the engine benchmark");
   app.add_flag("--skip-model", a->skip_model, "only the attention benchmark");
   app.add_flag("--skip-attention", a->skip_attention, "only the engine benchmark");
-  app.add_option("--threads", a->threads, "CPU threads (default: all cores)")->check(CLI::Range(1, 1024));
-  return [a, o_ctx, o_kv, o_grp, o_hd, o_bud, o_runs] {
+  app.add_option("--threads", a->threads, "CPU threads (default: all cores)")
+      ->check(number_text())
+      ->check(CLI::Range(1, 1024));
+  return [a, o_ctx, o_kv, o_grp, o_hd, o_bud, o_runs, cuda_only] {
     if (a->budget % 16 != 0) throw CLI::ValidationError("--budget", "must be a multiple of 16");
+    if (a->device != "cuda")
+      for (const CLI::Option* o : cuda_only)
+        if (o->count() > 0) throw CLI::ValidationError(o->get_name(), "only applies with --device cuda");
+    if (a->skip_model && a->skip_attention)
+      throw CLI::ValidationError("--skip-model", "with --skip-attention leaves nothing to run");
     // ---- CUDA (`--device cuda`) ----
     if (a->device == "cuda") {
       // The kernels' shapes, checked before the device is touched (src/cuda: make_decode_plan).
       if (o_hd->count() > 0 && a->head_dim != 64 && a->head_dim != 128)
-        throw CLI::ValidationError("--head-dim", "--device cuda supports 64 and 128, not " + std::to_string(a->head_dim));
+        throw CLI::ValidationError("--head-dim",
+                                   "--device cuda supports 64 and 128, not " + std::to_string(a->head_dim));
       if (o_grp->count() > 0 && a->n_group > 16)
-        throw CLI::ValidationError("--group", "--device cuda supports GQA groups 1 to 16, not " + std::to_string(a->n_group));
+        throw CLI::ValidationError("--group",
+                                   "--device cuda supports GQA groups 1 to 16, not " + std::to_string(a->n_group));
       return bench_cuda(*a, o_ctx->count() + o_kv->count() + o_grp->count() + o_hd->count() > 0, o_bud->count() > 0,
                         o_runs->count() > 0);
     }

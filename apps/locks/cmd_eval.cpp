@@ -1,8 +1,8 @@
 // `locks eval`: needle-retrieval accuracy of selectors x budgets on real held-out text.
-#include <cstdio>
-
 #include <fmt/format.h>
 #include <omp.h>
+
+#include <cstdio>
 
 #include "commands.h"
 #include "locks/eval_runner.h"
@@ -19,32 +19,47 @@ Runner add_eval(CLI::App& app) {
   app.add_option("--corpus", c->corpus_path, "held-out documents (.txt or .txt.xz, 0x1E-separated)")
       ->capture_default_str();
   app.add_option("--tasks", c->families, "task families: single, multikey, multiquery, continuation")
-      ->delimiter(',')->capture_default_str();
+      ->delimiter(',')
+      ->capture_default_str();
   app.add_option("--lengths", c->lengths, "task lengths in tokens")->delimiter(',')->capture_default_str();
   app.add_option("--budgets", c->budgets, "budgets in tokens (multiples of 16, >= 32)")
-      ->delimiter(',')->capture_default_str();
-  app.add_option("--selectors", c->selectors,
-                 "selectors, each NAME or NAME/key=value/... (keys: r, basis, coef, centroid, rule, rho), e.g. "
-                 "locks/r=4, locks/basis=2, locks/rule=max, sequence-basis/rho=8; names: " +
-                     [] {
-                       std::string n;
-                       for (const auto& x : selector_names()) n += (n.empty() ? "" : ", ") + x;
-                       return n;
-                     }())
-      ->delimiter(',')->capture_default_str();
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option(
+         "--selectors", c->selectors,
+         "selectors, each NAME or NAME/key=value/... (keys: r, basis, coef, centroid, rule, rho), e.g. "
+         "locks/r=4, locks/basis=2, locks/rule=max, sequence-basis/rho=8; names: " +
+             [] {
+               std::string n;
+               for (const auto& x : selector_names()) n += (n.empty() ? "" : ", ") + x;
+               return n;
+             }())
+      ->delimiter(',')
+      ->capture_default_str();
   app.add_flag("!--no-fidelity", c->fidelity, "skip the per-step fidelity chain (faster)");
   app.add_flag("!--separate-contexts", c->share_contexts,
                "give multikey its own contexts (default: it asks the first question of each multiquery context)");
   app.add_option("--locality-contexts", c->locality_contexts, "contexts per length measured for the locality finding")
-      ->check(CLI::Range(0, 100000))->capture_default_str();
-  app.add_option("--continuation-tokens", c->continuation_tokens, "teacher-forced tokens of the continuation task")
-      ->check(CLI::Range(1, 100000))->capture_default_str();
-  app.add_option("--contexts", c->contexts, "contexts per (task, length)")->check(CLI::Range(1, 100000))
+      ->check(number_text())
+      ->check(CLI::Range(0, 100000))
       ->capture_default_str();
-  app.add_option("--seed", c->seed, "task seed")->capture_default_str();
-  app.add_option("-r,--rank", c->summary.rank, "LOCKS summary rank r")->check(CLI::Range(1, 16))->capture_default_str();
+  app.add_option("--continuation-tokens", c->continuation_tokens, "teacher-forced tokens of the continuation task")
+      ->check(number_text())
+      ->check(CLI::Range(1, 100000))
+      ->capture_default_str();
+  app.add_option("--contexts", c->contexts, "contexts per (task, length)")
+      ->check(number_text())
+      ->check(CLI::Range(1, 100000))
+      ->capture_default_str();
+  app.add_option("--seed", c->seed, "task seed")->check(uint64_text())->capture_default_str();
+  app.add_option("-r,--rank", c->summary.rank, "LOCKS summary rank r")
+      ->check(number_text())
+      ->check(CLI::Range(1, 16))
+      ->capture_default_str();
   app.add_option("--out", c->out_dir, "output directory (results.csv, summary.md)")->capture_default_str();
-  app.add_option("--threads", *threads, "CPU threads (default: all cores)")->check(CLI::Range(1, 1024));
+  app.add_option("--threads", *threads, "CPU threads (default: all cores)")
+      ->check(number_text())
+      ->check(CLI::Range(1, 1024));
   return [c, threads] {
     if (*threads > 0) omp_set_num_threads(*threads);
     EvalConfig cfg = *c;
@@ -77,7 +92,8 @@ Runner add_eval(CLI::App& app) {
       for (const auto& f : cfg.families)
         if (f != "continuation") parse_needle_family(f);
       for (int b : cfg.budgets)
-        if (b < 32 || b % 16 != 0) throw std::invalid_argument(fmt::format("budget {}: must be a multiple of 16, >= 32", b));
+        if (b < 32 || b % 16 != 0)
+          throw std::invalid_argument(fmt::format("budget {}: must be a multiple of 16, >= 32", b));
       for (int len : cfg.lengths)
         if (len < 256) throw std::invalid_argument(fmt::format("length {}: must be >= 256 tokens", len));
       cfg.summary.validate(16, 64);

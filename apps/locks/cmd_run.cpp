@@ -1,16 +1,17 @@
 // `locks run`: long-context generation with a selector, then one stats line (or --json).
+#include <fmt/format.h>
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <iterator>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <stdexcept>
-
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
-#include <omp.h>
 
 #include "commands.h"
 #include "locks/generate.h"
@@ -45,9 +46,14 @@ struct RunArgs {
 };
 
 std::string read_file(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw std::runtime_error(fmt::format("prompt file '{}' is a directory", path));
   std::ifstream in(path, std::ios::binary);
   if (!in) throw std::runtime_error(fmt::format("cannot open prompt file '{}'", path));
-  return std::string(std::istreambuf_iterator<char>(in), {});
+  std::string text(std::istreambuf_iterator<char>(in), {});
+  if (in.bad()) throw std::runtime_error(fmt::format("cannot read prompt file '{}'", path));
+  return text;
 }
 
 constexpr const char* kDefaultPrompt = "examples/needle-8k.txt";
@@ -114,14 +120,10 @@ int run(const RunArgs& a) {
     j["generated_ids"] = r.generated_ids;
     j["selector"] = a.selector;
     j["budget_tokens"] = a.budget;
-    j["stats"] = {{"prefill_s", r.prefill_seconds},
-                  {"prefill_tokens", r.prefill_tokens},
-                  {"prefill_tokens_per_s", prefill_tps},
-                  {"decode_steps", r.decode.steps},
-                  {"decode_tokens_per_s", decode_tps},
-                  {"bytes_read_per_step", bytes_step},
-                  {"dense_bytes_per_step", dense_step},
-                  {"read_ratio", ratio}};
+    j["stats"] = {{"prefill_s", r.prefill_seconds},      {"prefill_tokens", r.prefill_tokens},
+                  {"prefill_tokens_per_s", prefill_tps}, {"decode_steps", r.decode.steps},
+                  {"decode_tokens_per_s", decode_tps},   {"bytes_read_per_step", bytes_step},
+                  {"dense_bytes_per_step", dense_step},  {"read_ratio", ratio}};
     // Byte-fallback tokens can split a UTF-8 character: replace invalid bytes, never fail the run.
     std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
   } else {
@@ -144,7 +146,8 @@ Runner add_run(CLI::App& app) {
   app.add_option("-m,--model", a->model, "GGUF model (default: models/locks-ref-a-q8_0.gguf)");
   CLI::Option* prompt_opt = app.add_option("-p,--prompt", a->prompt, "prompt text (\"\" = generate from BOS)");
   app.add_option("-f,--prompt-file", a->prompt_file, "prompt file, '-' for stdin (default: examples/needle-8k.txt)");
-  app.add_option("-s,--selector", a->selector, "page selector (full = dense, oracle = exact page LSE, locks, baselines)")
+  app.add_option("-s,--selector", a->selector,
+                 "page selector (full = dense, oracle = exact page LSE, locks, baselines)")
       ->check(CLI::IsMember([] {
         // global-basis needs an offline calibration pass: it is available in `locks eval`.
         auto n = selector_names();
@@ -153,27 +156,51 @@ Runner add_run(CLI::App& app) {
       }()))
       ->capture_default_str();
   app.add_option("-b,--budget", a->budget, "attention budget per KV head in tokens (multiple of 16, >= 32)")
-      ->check(CLI::Range(32, 1 << 26))->capture_default_str();
-  app.add_option("-r,--rank", a->rank, "LOCKS summary rank r (1..16)")->check(CLI::Range(1, 16))->capture_default_str();
+      ->check(number_text())
+      ->check(CLI::Range(32, 1 << 26))
+      ->capture_default_str();
+  app.add_option("-r,--rank", a->rank, "LOCKS summary rank r (1..16)")
+      ->check(number_text())
+      ->check(CLI::Range(1, 16))
+      ->capture_default_str();
   app.add_option("--basis-bits", a->basis_bits, "LOCKS basis precision: 32 (f32), 16 (bf16), 8, 4 or 2 bits")
-      ->check(CLI::IsMember({32, 16, 8, 4, 2}))->capture_default_str();
+      ->check(CLI::IsMember({32, 16, 8, 4, 2}))
+      ->capture_default_str();
   app.add_option("--group-rule", a->group_rule, "how the GQA group shares one page set: share-average, max, mass-sum")
-      ->check(CLI::IsMember({"share-average", "max", "mass-sum"}))->capture_default_str();
-  app.add_option("-n,--max-tokens", a->max_tokens, "tokens to generate")->check(CLI::Range(0, 1 << 24))->capture_default_str();
-  app.add_option("-t,--temperature", a->temperature, "sampling temperature (0 = greedy)")->check(CLI::Range(0.0, 100.0))->capture_default_str();
-  app.add_option("--top-p", a->top_p, "nucleus sampling threshold in (0, 1]")->check(CLI::Range(1e-6, 1.0))->capture_default_str();
-  app.add_option("--seed", a->seed, "sampling seed")->capture_default_str();
-  app.add_option("--threads", a->threads, "CPU threads (default: all cores)")->check(CLI::Range(1, 1024));
+      ->check(CLI::IsMember({"share-average", "max", "mass-sum"}))
+      ->capture_default_str();
+  app.add_option("-n,--max-tokens", a->max_tokens, "tokens to generate")
+      ->check(number_text())
+      ->check(CLI::Range(0, 1 << 24))
+      ->capture_default_str();
+  app.add_option("-t,--temperature", a->temperature, "sampling temperature (0 = greedy)")
+      ->check(number_text())
+      ->check(CLI::Range(0.0, 100.0))
+      ->capture_default_str();
+  app.add_option("--top-p", a->top_p, "nucleus sampling threshold in (0, 1]")
+      ->check(number_text())
+      ->check(CLI::Range(1e-6, 1.0))
+      ->capture_default_str();
+  app.add_option("--seed", a->seed, "sampling seed")->check(uint64_text())->capture_default_str();
+  app.add_option("--threads", a->threads, "CPU threads (default: all cores)")
+      ->check(number_text())
+      ->check(CLI::Range(1, 1024));
   app.add_option("--decode-tail", a->decode_tail,
                  "the last N prompt tokens go through the decode path (selection runs on them) instead of prefill "
                  "(default: 0; 24 for the default prompt, its question)")
+      ->check(number_text())
       ->check(CLI::Range(0, 1 << 26));
-  app.add_option("-c,--ctx", a->n_ctx, "context size in tokens (default: the model's)")->check(CLI::Range(1, 1 << 26));
-  app.add_option("--kv-dtype", a->kv_dtype, "KV cache storage: f16 or f32")->check(CLI::IsMember({"f16", "f32"}))->capture_default_str();
+  app.add_option("-c,--ctx", a->n_ctx, "context size in tokens (default: the model's)")
+      ->check(number_text())
+      ->check(CLI::Range(1, 1 << 26));
+  app.add_option("--kv-dtype", a->kv_dtype, "KV cache storage: f16 or f32")
+      ->check(CLI::IsMember({"f16", "f32"}))
+      ->capture_default_str();
   app.add_flag("--json", a->json, "print one JSON object instead of streamed text and a stats line");
   return [a, prompt_opt] {
     a->prompt_given = prompt_opt->count() > 0;
     if (!std::isfinite(a->temperature)) throw CLI::ValidationError("--temperature", "must be a finite number");
+    if (!(a->top_p > 0.0f && a->top_p <= 1.0f)) throw CLI::ValidationError("--top-p", "must be in (0, 1]");
     if (a->budget % 16 != 0)
       throw CLI::ValidationError("--budget", fmt::format("{} is not a multiple of the page size 16", a->budget));
     return run(*a);

@@ -1,5 +1,7 @@
 // `locks`: run | eval | bench. Errors become one line on stderr and a non-zero exit code
 // (2 for bad command-line usage, 1 for failures while running).
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <exception>
@@ -7,8 +9,6 @@
 #include <new>
 #include <string>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "commands.h"
 
@@ -50,7 +50,9 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "locks: error: {}\n", e.what());
     return 2;
   } catch (const std::bad_alloc&) {
-    fmt::print(stderr, "locks: error: out of memory (a smaller --ctx / -c reduces the KV cache)\n");
+    fmt::print(stderr,
+               "locks: error: out of memory: use less context (run: -c/--ctx; eval: --lengths; bench: --contexts, "
+               "--kv-heads, --batches)\n");
     return 1;
   } catch (const std::exception& e) {
     fmt::print(stderr, "locks: error: {}\n", e.what());

@@ -31,7 +31,11 @@ bool device_available(std::string* why) {
   int n = 0;
   cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess || n == 0) {
-    if (why) *why = e != cudaSuccess ? std::string("no CUDA device: ") + cudaGetErrorString(e) : "no CUDA device";
+    if (why) {
+      *why = e != cudaSuccess ? std::string("no CUDA device: ") + cudaGetErrorString(e) : "no CUDA device";
+      if (e == cudaErrorInsufficientDriver)
+        *why += " (no NVIDIA driver is loaded, or it is older than this build's CUDA runtime)";
+    }
     cudaGetLastError();
     return false;
   }

@@ -213,6 +213,13 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg, const std::function<void(in
     if (len < 256 || len > model.hp.n_ctx_train)
       throw std::invalid_argument(
           fmt::format("length {} outside [256, {}] (the model's context)", len, model.hp.n_ctx_train));
+  if (continuation)
+    for (int len : cfg.lengths)
+      if (cfg.continuation_tokens > len / 2)
+        throw std::invalid_argument(fmt::format(
+            "--continuation-tokens {} is more than half of the length {}: the prefix the selectors work on would "
+            "be shorter than the forced tokens",
+            cfg.continuation_tokens, len));
   for (const auto& s : specs) {
     KvCacheConfig probe_cfg{model.hp.n_layer, model.hp.n_head_kv, model.hp.head_dim, 16, 1, KvDtype::F16};
     if (s.name != "global-basis") make_selector(s.name, probe_cfg, s.opts);  // throws on bad variants
@@ -221,6 +228,11 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg, const std::function<void(in
   // Every tenth document is reserved for calibration (the global basis is fit on other text).
   std::vector<std::string> calib_docs, docs;
   for (size_t i = 0; i < all_docs.size(); ++i) (i % 10 == 0 ? calib_docs : docs).push_back(all_docs[i]);
+  if (docs.empty())
+    throw std::invalid_argument(fmt::format(
+        "corpus '{}' holds {} document(s); eval needs at least 2 (every tenth, starting with the first, is held "
+        "back to calibrate the global basis; documents are separated by the byte 0x1E)",
+        cfg.corpus_path, all_docs.size()));
   if (calib_docs.empty()) calib_docs = docs;
 
   std::error_code ec;
