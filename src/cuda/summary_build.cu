@@ -162,30 +162,29 @@ __global__ void __launch_bounds__(kWarps * 32) summary_build_kernel(SummaryBuild
         s.rq[lane] = qq;
       }
       __syncwarp();
-      // A <- A J and U <- U J (columns p, q): 2 x 128 (row, pair) tasks.
-      for (int e = lane; e < 256; e += 32) {
-        const int m = (e / 16) % 8, k = e % 16;
-        const double c = s.rc[m], sn = s.rs[m];
-        const int pp = s.rp[m], qq = s.rq[m];
-        double(*mat)[16] = e < 128 ? s.a : s.u;
-        const double xp = mat[k][pp], xq = mat[k][qq];
-        mat[k][pp] = c * xp - sn * xq;
-        mat[k][qq] = sn * xp + c * xq;
+      // A <- J^T A J and U <- U J in one pass: the round's 8 pairs partition the 16 indices, so A
+      // splits into 64 2x2 blocks (rows of pair i, columns of pair j) that transform independently,
+      // each as two passes over the whole matrix would (columns with pair j, then rows with pair i).
+      for (int e = lane; e < 64; e += 32) {
+        const int bi = e / 8, bj = e % 8;
+        const int pi = s.rp[bi], qi = s.rq[bi], pj = s.rp[bj], qj = s.rq[bj];
+        const double ci = s.rc[bi], si = s.rs[bi], cj = s.rc[bj], sj = s.rs[bj];
+        const double x_pp = s.a[pi][pj], x_pq = s.a[pi][qj], x_qp = s.a[qi][pj], x_qq = s.a[qi][qj];
+        const double y_pp = cj * x_pp - sj * x_pq, y_pq = sj * x_pp + cj * x_pq;  // row pi, columns rotated
+        const double y_qp = cj * x_qp - sj * x_qq, y_qq = sj * x_qp + cj * x_qq;  // row qi
+        const bool diag = bi == bj;  // the pair's own block: its off-diagonal is annihilated
+        s.a[pi][pj] = ci * y_pp - si * y_qp;
+        s.a[qi][pj] = diag ? 0.0 : si * y_pp + ci * y_qp;
+        s.a[pi][qj] = diag ? 0.0 : ci * y_pq - si * y_qq;
+        s.a[qi][qj] = si * y_pq + ci * y_qq;
       }
-      __syncwarp();
-      // A <- J^T A (rows p, q).
       for (int e = lane; e < 128; e += 32) {
         const int m = e / 16, k = e % 16;
         const double c = s.rc[m], sn = s.rs[m];
         const int pp = s.rp[m], qq = s.rq[m];
-        const double xp = s.a[pp][k], xq = s.a[qq][k];
-        s.a[pp][k] = c * xp - sn * xq;
-        s.a[qq][k] = sn * xp + c * xq;
-      }
-      __syncwarp();
-      if (lane < 8) {
-        s.a[s.rp[lane]][s.rq[lane]] = 0.0;
-        s.a[s.rq[lane]][s.rp[lane]] = 0.0;
+        const double xp = s.u[k][pp], xq = s.u[k][qq];
+        s.u[k][pp] = c * xp - sn * xq;
+        s.u[k][qq] = sn * xp + c * xq;
       }
       __syncwarp();
     }
