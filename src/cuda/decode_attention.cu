@@ -4,8 +4,9 @@
 // One CTA per (split, KV head, sequence), 4 warps; each warp takes whole pages (16 tokens) of the
 // split and keeps an online softmax for all G heads of the group: S = Q K^T and O += P V on tensor
 // cores with the heads as MMA rows (G <= 8: rows 8..15 carry the low parts of the hi/lo split of q
-// and of P, so f16/bf16 rounding costs no accuracy; G > 8: heads in rows, two MMAs hi + lo). The
-// warps' states are combined in shared memory, the splits by log-sum-exp in the last CTA.
+// and of P, so f16/bf16 rounding costs no accuracy; G > 8: heads in rows, two MMAs hi + lo; or, with
+// group_halves, two CTAs per split of <= 8 heads each). The warps' states are combined in shared
+// memory, the splits by log-sum-exp in the last CTA (or merge_kernel above 16 splits).
 //
 // Operands come straight from global memory into registers with 16-byte loads (no staging):
 //   K: lane 4g+t loads 16-byte chunks c = 4i + t of tokens g and g+8; k-step 2i+hh of that lane

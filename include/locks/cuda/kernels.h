@@ -144,7 +144,8 @@ cudaError_t select_pages(const SelectParams& p, cudaStream_t stream);
 /// for the group, f32 accumulation); splits are merged by log-sum-exp in the last CTA of each
 /// (sequence, KV head), or by a merge kernel when there are many splits. The partial last page is
 /// masked to last_page_len tokens. An empty page list gives o = 0 and lse = -inf.
-/// Launch contract: grid (n_splits, n_head_kv, batch) x 128 threads; split s handles list entries
+/// Launch contract: grid (n_splits, n_head_kv, batch) x 128 threads (2 n_splits with group_halves
+/// and G > 8: CTAs 2s and 2s + 1 take heads [0, 8) and [8, G) of split s); split s handles list entries
 /// [s * pages_per_split, (s + 1) * pages_per_split), n_splits >= ceil(max list length /
 /// pages_per_split). counters must be zero before the first launch; left zero afterwards.
 struct AttentionParams {
