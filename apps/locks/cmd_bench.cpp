@@ -254,21 +254,21 @@ Runner add_bench(CLI::App& app) {
   CLI::Option* o_ctx =
       app.add_option("--contexts", a->contexts, "context lengths in tokens for the attention benchmark (comma list)")
           ->delimiter(',')
-          ->check(number_text())
+          ->transform(decimal_integer())
           ->check(CLI::Range(32, 1 << 24));
   CLI::Option* o_kv =
-      app.add_option("--kv-heads", a->n_head_kv, "KV heads")->check(number_text())->check(CLI::Range(1, 64));
+      app.add_option("--kv-heads", a->n_head_kv, "KV heads")->transform(decimal_integer())->check(CLI::Range(1, 64));
   CLI::Option* o_grp = app.add_option("--group", a->n_group, "query heads per KV head (G)")
-                           ->check(number_text())
+                           ->transform(decimal_integer())
                            ->check(CLI::Range(1, 64));
   CLI::Option* o_hd = app.add_option("--head-dim", a->head_dim, "head dimension (multiple of 8, <= 256)")
-                          ->check(number_text())
+                          ->transform(decimal_integer())
                           ->check(CLI::Range(8, 256));
   CLI::Option* o_bud = app.add_option("-b,--budget", a->budget, "LOCKS budget in tokens (multiple of 16)")
-                           ->check(number_text())
+                           ->transform(decimal_integer())
                            ->check(CLI::Range(32, 1 << 24));
   CLI::Option* o_runs = app.add_option("--runs", a->runs, "timed runs per context (median reported)")
-                            ->check(number_text())
+                            ->transform(decimal_integer())
                             ->check(CLI::Range(1, 10000));
   // ---- CUDA (`--device cuda`) ----
   app.add_option("--device", a->device,
@@ -278,7 +278,7 @@ Runner add_bench(CLI::App& app) {
   const std::vector<CLI::Option*> cuda_only = {
       app.add_option("--batches", a->batches, "cuda: batch sizes")
           ->delimiter(',')
-          ->check(number_text())
+          ->transform(decimal_integer())
           ->check(CLI::Range(1, 256)),
       app.add_option("--csv", a->csv, "cuda: also write the results as CSV to this path"),
       app.add_flag("--f16", a->f16, "cuda: f16 KV instead of bf16"),
@@ -288,7 +288,7 @@ Runner add_bench(CLI::App& app) {
   app.add_flag("--skip-model", a->skip_model, "only the attention benchmark");
   app.add_flag("--skip-attention", a->skip_attention, "only the engine benchmark");
   app.add_option("--threads", a->threads, "CPU threads (default: all cores)")
-      ->check(number_text())
+      ->transform(decimal_integer())
       ->check(CLI::Range(1, 1024));
   return [a, o_ctx, o_kv, o_grp, o_hd, o_bud, o_runs, cuda_only] {
     if (a->budget % 16 != 0) throw CLI::ValidationError("--budget", "must be a multiple of 16");

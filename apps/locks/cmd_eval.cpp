@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <cstdio>
 
 #include "commands.h"
@@ -21,9 +22,13 @@ Runner add_eval(CLI::App& app) {
   app.add_option("--tasks", c->families, "task families: single, multikey, multiquery, continuation")
       ->delimiter(',')
       ->capture_default_str();
-  app.add_option("--lengths", c->lengths, "task lengths in tokens")->delimiter(',')->capture_default_str();
+  app.add_option("--lengths", c->lengths, "task lengths in tokens")
+      ->delimiter(',')
+      ->transform(decimal_integer())
+      ->capture_default_str();
   app.add_option("--budgets", c->budgets, "budgets in tokens (multiples of 16, >= 32)")
       ->delimiter(',')
+      ->transform(decimal_integer())
       ->capture_default_str();
   app.add_option(
          "--selectors", c->selectors,
@@ -40,25 +45,25 @@ Runner add_eval(CLI::App& app) {
   app.add_flag("!--separate-contexts", c->share_contexts,
                "give multikey its own contexts (default: it asks the first question of each multiquery context)");
   app.add_option("--locality-contexts", c->locality_contexts, "contexts per length measured for the locality finding")
-      ->check(number_text())
+      ->transform(decimal_integer())
       ->check(CLI::Range(0, 100000))
       ->capture_default_str();
   app.add_option("--continuation-tokens", c->continuation_tokens, "teacher-forced tokens of the continuation task")
-      ->check(number_text())
+      ->transform(decimal_integer())
       ->check(CLI::Range(1, 100000))
       ->capture_default_str();
   app.add_option("--contexts", c->contexts, "contexts per (task, length)")
-      ->check(number_text())
+      ->transform(decimal_integer())
       ->check(CLI::Range(1, 100000))
       ->capture_default_str();
-  app.add_option("--seed", c->seed, "task seed")->check(uint64_text())->capture_default_str();
+  app.add_option("--seed", c->seed, "task seed")->transform(decimal_integer(true))->capture_default_str();
   app.add_option("-r,--rank", c->summary.rank, "LOCKS summary rank r")
-      ->check(number_text())
+      ->transform(decimal_integer())
       ->check(CLI::Range(1, 16))
       ->capture_default_str();
   app.add_option("--out", c->out_dir, "output directory (results.csv, summary.md)")->capture_default_str();
   app.add_option("--threads", *threads, "CPU threads (default: all cores)")
-      ->check(number_text())
+      ->transform(decimal_integer())
       ->check(CLI::Range(1, 1024));
   return [c, threads] {
     if (*threads > 0) omp_set_num_threads(*threads);
@@ -94,8 +99,13 @@ Runner add_eval(CLI::App& app) {
       for (int b : cfg.budgets)
         if (b < 32 || b % 16 != 0)
           throw std::invalid_argument(fmt::format("budget {}: must be a multiple of 16, >= 32", b));
-      for (int len : cfg.lengths)
+      for (int len : cfg.lengths) {
         if (len < 256) throw std::invalid_argument(fmt::format("length {}: must be >= 256 tokens", len));
+        if (std::find(cfg.families.begin(), cfg.families.end(), "continuation") != cfg.families.end() &&
+            cfg.continuation_tokens > len / 2)
+          throw std::invalid_argument(
+              fmt::format("--continuation-tokens {} is more than half of the length {}", cfg.continuation_tokens, len));
+      }
       cfg.summary.validate(16, 64);
     } catch (const std::invalid_argument& e) {
       throw CLI::ValidationError("eval", e.what());

@@ -156,21 +156,22 @@ Runner add_run(CLI::App& app) {
       }()))
       ->capture_default_str();
   app.add_option("-b,--budget", a->budget, "attention budget per KV head in tokens (multiple of 16, >= 32)")
-      ->check(number_text())
+      ->transform(decimal_integer())
       ->check(CLI::Range(32, 1 << 26))
       ->capture_default_str();
   app.add_option("-r,--rank", a->rank, "LOCKS summary rank r (1..16)")
-      ->check(number_text())
+      ->transform(decimal_integer())
       ->check(CLI::Range(1, 16))
       ->capture_default_str();
   app.add_option("--basis-bits", a->basis_bits, "LOCKS basis precision: 32 (f32), 16 (bf16), 8, 4 or 2 bits")
+      ->transform(decimal_integer())
       ->check(CLI::IsMember({32, 16, 8, 4, 2}))
       ->capture_default_str();
   app.add_option("--group-rule", a->group_rule, "how the GQA group shares one page set: share-average, max, mass-sum")
       ->check(CLI::IsMember({"share-average", "max", "mass-sum"}))
       ->capture_default_str();
   app.add_option("-n,--max-tokens", a->max_tokens, "tokens to generate")
-      ->check(number_text())
+      ->transform(decimal_integer())
       ->check(CLI::Range(0, 1 << 24))
       ->capture_default_str();
   app.add_option("-t,--temperature", a->temperature, "sampling temperature (0 = greedy)")
@@ -181,17 +182,17 @@ Runner add_run(CLI::App& app) {
       ->check(number_text())
       ->check(CLI::Range(1e-6, 1.0))
       ->capture_default_str();
-  app.add_option("--seed", a->seed, "sampling seed")->check(uint64_text())->capture_default_str();
+  app.add_option("--seed", a->seed, "sampling seed")->transform(decimal_integer(true))->capture_default_str();
   app.add_option("--threads", a->threads, "CPU threads (default: all cores)")
-      ->check(number_text())
+      ->transform(decimal_integer())
       ->check(CLI::Range(1, 1024));
   app.add_option("--decode-tail", a->decode_tail,
                  "the last N prompt tokens go through the decode path (selection runs on them) instead of prefill "
                  "(default: 0; 24 for the default prompt, its question)")
-      ->check(number_text())
+      ->transform(decimal_integer())
       ->check(CLI::Range(0, 1 << 26));
   app.add_option("-c,--ctx", a->n_ctx, "context size in tokens (default: the model's)")
-      ->check(number_text())
+      ->transform(decimal_integer())
       ->check(CLI::Range(1, 1 << 26));
   app.add_option("--kv-dtype", a->kv_dtype, "KV cache storage: f16 or f32")
       ->check(CLI::IsMember({"f16", "f32"}))

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <cctype>
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
@@ -19,30 +20,43 @@ Runner add_eval(CLI::App& app);
 /// Shared: the embedded default model path (models/locks-ref-a-q8_0.gguf, resolved).
 std::string default_model_path();
 
-/// Shared: the whole text is a number (before a range check, which would call "12abc" out of range).
+/// Shared, for float options: the whole text is a number (before a range check, which would call
+/// "12abc" out of range).
 inline CLI::Validator number_text() {
   return CLI::Validator(
       [](std::string& s) -> std::string {
         char* end = nullptr;
-        std::strtod(s.c_str(), &end);
-        return s.empty() || end != s.c_str() + s.size() ? "'" + s + "' is not a number" : std::string();
+        if (!s.empty() && !std::isspace(static_cast<unsigned char>(s[0]))) std::strtod(s.c_str(), &end);
+        return end == nullptr || end != s.c_str() + s.size() ? "'" + s + "' is not a number" : std::string();
       },
       "NUMBER");
 }
 
-/// Shared: a decimal integer in [0, 2^64) (CLI11's own conversion wraps "-1" and saturates overflow).
-inline CLI::Validator uint64_text() {
+/// Shared, for integer options (use with ->transform): decimal digits only, leading zeros dropped,
+/// because CLI11's own conversion detects the base ("010" would be octal, "0x10" hex) and calls
+/// "1e3" or "1.5" out of range. Values above INT32_MAX are refused here (the option's range check
+/// follows); with `uint64`, values up to UINT64_MAX pass (CLI11 wraps "-1" and saturates overflow).
+inline CLI::Validator decimal_integer(bool uint64 = false) {
   return CLI::Validator(
-      [](std::string& s) -> std::string {
+      [uint64](std::string& s) -> std::string {
+        const uint64_t max = uint64 ? UINT64_MAX : uint64_t(INT32_MAX);
         uint64_t v = 0;
+        bool digits = !s.empty(), fits = true;
         for (char ch : s) {
-          if (ch < '0' || ch > '9' || v > (UINT64_MAX - uint64_t(ch - '0')) / 10)
-            return "'" + s + "' is not an integer in [0, 18446744073709551615]";
-          v = v * 10 + uint64_t(ch - '0');
+          if (ch < '0' || ch > '9') {
+            digits = false;
+            break;
+          }
+          if (v > (max - uint64_t(ch - '0')) / 10) fits = false;
+          if (fits) v = v * 10 + uint64_t(ch - '0');
         }
-        return s.empty() ? std::string("empty value") : std::string();
+        if (!digits || (uint64 && !fits))
+          return "'" + s + "' is not a decimal integer" + (uint64 ? " in [0, " + std::to_string(max) + "]" : "");
+        if (!fits) return "'" + s + "' is too large";
+        s = std::to_string(v);
+        return std::string();
       },
-      "UINT64");
+      "INT");
 }
 
 }  // namespace locks::cli

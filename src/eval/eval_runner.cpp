@@ -207,12 +207,6 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg, const std::function<void(in
     if (b < 32 || b % 16 != 0) throw std::invalid_argument(fmt::format("budget {}: must be a multiple of 16, >= 32", b));
   if (cfg.contexts < 1) throw std::invalid_argument("contexts must be >= 1");
   if (cfg.continuation_tokens < 1) throw std::invalid_argument("continuation tokens must be >= 1");
-
-  const LlamaModel model = LlamaModel::load(cfg.model_path);
-  for (int len : cfg.lengths)
-    if (len < 256 || len > model.hp.n_ctx_train)
-      throw std::invalid_argument(
-          fmt::format("length {} outside [256, {}] (the model's context)", len, model.hp.n_ctx_train));
   if (continuation)
     for (int len : cfg.lengths)
       if (cfg.continuation_tokens > len / 2)
@@ -220,6 +214,12 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg, const std::function<void(in
             "--continuation-tokens {} is more than half of the length {}: the prefix the selectors work on would "
             "be shorter than the forced tokens",
             cfg.continuation_tokens, len));
+
+  const LlamaModel model = LlamaModel::load(cfg.model_path);
+  for (int len : cfg.lengths)
+    if (len < 256 || len > model.hp.n_ctx_train)
+      throw std::invalid_argument(
+          fmt::format("length {} outside [256, {}] (the model's context)", len, model.hp.n_ctx_train));
   for (const auto& s : specs) {
     KvCacheConfig probe_cfg{model.hp.n_layer, model.hp.n_head_kv, model.hp.head_dim, 16, 1, KvDtype::F16};
     if (s.name != "global-basis") make_selector(s.name, probe_cfg, s.opts);  // throws on bad variants
