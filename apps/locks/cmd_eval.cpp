@@ -2,7 +2,6 @@
 #include <fmt/format.h>
 #include <omp.h>
 
-#include <algorithm>
 #include <cstdio>
 
 #include "commands.h"
@@ -94,18 +93,7 @@ Runner add_eval(CLI::App& app) {
         if (spec.opts.shared_rank < 0 || spec.opts.shared_rank > 64)
           throw std::invalid_argument(fmt::format("selector '{}': rho {} outside [0, 64]", s, spec.opts.shared_rank));
       }
-      for (const auto& f : cfg.families)
-        if (f != "continuation") parse_needle_family(f);
-      for (int b : cfg.budgets)
-        if (b < 32 || b % 16 != 0)
-          throw std::invalid_argument(fmt::format("budget {}: must be a multiple of 16, >= 32", b));
-      for (int len : cfg.lengths) {
-        if (len < 256) throw std::invalid_argument(fmt::format("length {}: must be >= 256 tokens", len));
-        if (std::find(cfg.families.begin(), cfg.families.end(), "continuation") != cfg.families.end() &&
-            cfg.continuation_tokens > len / 2)
-          throw std::invalid_argument(
-              fmt::format("--continuation-tokens {} is more than half of the length {}", cfg.continuation_tokens, len));
-      }
+      check_eval_config(cfg);  // families, selector specs, budgets, lengths, continuation tokens
       cfg.summary.validate(16, 64);
     } catch (const std::invalid_argument& e) {
       throw CLI::ValidationError("eval", e.what());

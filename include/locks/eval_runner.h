@@ -31,19 +31,19 @@ SelectorSpec parse_selector_spec(const std::string& spec, const SummaryFormat& b
 
 struct EvalConfig {
   std::string model_path;
-  std::string corpus_path;                 // .txt or .txt.xz, documents separated by 0x1E
+  std::string corpus_path;                           // .txt or .txt.xz, documents separated by 0x1E
   std::vector<std::string> families = {"multikey"};  // single, multikey, multiquery, continuation
-  std::vector<int> lengths = {16384};      // tokens per task (context + questions + answers)
+  std::vector<int> lengths = {16384};                // tokens per task (context + questions + answers)
   std::vector<int> budgets = {256, 512, 1024};
   std::vector<std::string> selectors = {"full", "oracle", "locks"};  // SelectorSpec strings
-  int contexts = 20;                       // per (family, length)
+  int contexts = 20;                                                 // per (family, length)
   uint64_t seed = 1;
-  SummaryFormat summary;                   // base LOCKS summary format
-  bool fidelity = true;                    // FidelityProbe at answer steps
-  int locality_contexts = 3;               // contexts per length measured for the locality finding
-  int continuation_tokens = 64;            // teacher-forced tokens of the continuation task
-  bool share_contexts = true;              // multikey = the first question of each multiquery context
-  int fork_threads = 0;                    // forks of a context run at once (0: one per OpenMP thread)
+  SummaryFormat summary;         // base LOCKS summary format
+  bool fidelity = true;          // FidelityProbe at answer steps
+  int locality_contexts = 3;     // contexts per length measured for the locality finding
+  int continuation_tokens = 64;  // teacher-forced tokens of the continuation task
+  bool share_contexts = true;    // multikey = the first question of each multiquery context
+  int fork_threads = 0;          // forks of a context run at once (0: one per OpenMP thread)
   std::string out_dir = "eval-out";
 };
 
@@ -55,20 +55,26 @@ struct EvalRow {
   uint64_t task_seed = 0;
   std::string selector;
   int budget = 0;
-  bool correct = false;               // retrieval: every answer token of every question right
-  int answer_tokens = 0;              // continuation: teacher-forced tokens
-  int answer_tokens_correct = 0;      // continuation: top-1 agreements with full attention
-  double kl_vs_full = 0;              // continuation: mean KL(full || selector) per token (nats)
+  bool correct = false;           // retrieval: every answer token of every question right
+  int answer_tokens = 0;          // continuation: teacher-forced tokens
+  int answer_tokens_correct = 0;  // continuation: top-1 agreements with full attention
+  double kl_vs_full = 0;          // continuation: mean KL(full || selector) per token (nats)
   int64_t decode_steps = 0;
   double bytes_read_per_step = 0;
   double dense_bytes_per_step = 0;
-  double read_ratio = 0;              // bytes_read / dense
+  double read_ratio = 0;  // bytes_read / dense
   int prompt_tokens = 0;
   double decode_seconds = 0;
   // Fidelity chain at the answer steps (NaN where not applicable).
   double lse_mae = 0, logit_mae = 0, spearman = 0, coverage = 0, worst_head_coverage = 0, oracle_coverage = 0,
          output_rel_err = 0, carrier_retention = 0, carrier_retention_any = 0, carrier_obs = 0;
 };
+
+/// The checks of `cfg` that need neither the model nor the corpus: task families, selector specs,
+/// budgets (multiples of 16, >= 32), lengths (>= 256), contexts and continuation tokens (>= 1, at
+/// most half of each length when the continuation task runs). Throws std::invalid_argument naming
+/// the value. run_eval calls it first; a front end can call it to fail before loading anything.
+void check_eval_config(const EvalConfig& cfg);
 
 /// Run the grid. Rows are appended to out_dir/results.csv as they finish (an interrupted run keeps
 /// them); summary.md, locality.csv and the SVG plots are written at the end. `progress` (optional)

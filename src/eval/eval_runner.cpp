@@ -1,5 +1,8 @@
 #include "locks/eval_runner.h"
 
+#include <fmt/format.h>
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
@@ -11,9 +14,7 @@
 #include <set>
 #include <stdexcept>
 
-#include <fmt/format.h>
-#include <omp.h>
-
+#include "eval/eval_report.h"
 #include "locks/fidelity.h"
 #include "locks/locality.h"
 #include "locks/model.h"
@@ -22,7 +23,6 @@
 #include "locks/shared_basis.h"
 #include "locks/svg_plot.h"
 #include "locks/text_corpus.h"
-#include "eval/eval_report.h"
 
 namespace locks {
 
@@ -157,7 +157,8 @@ SelectorSpec parse_selector_spec(const std::string& spec, const SummaryFormat& b
       first = false;
     } else {
       const size_t eq = part.find('=');
-      if (eq == std::string::npos) throw std::invalid_argument(fmt::format("selector '{}': '{}' is not key=value", spec, part));
+      if (eq == std::string::npos)
+        throw std::invalid_argument(fmt::format("selector '{}': '{}' is not key=value", spec, part));
       const std::string k = part.substr(0, eq), v = part.substr(eq + 1);
       auto as_int = [&] {
         try {
@@ -172,16 +173,23 @@ SelectorSpec parse_selector_spec(const std::string& spec, const SummaryFormat& b
       // Summary-format keys belong to LOCKS, rho to the shared-basis scopes (a key another selector
       // ignores would only mislabel its rows).
       const bool summary_key = k == "r" || k == "basis" || k == "coef" || k == "centroid";
-      if ((summary_key && s.name != "locks") ||
-          (k == "rho" && s.name != "sequence-basis" && s.name != "global-basis"))
+      if ((summary_key && s.name != "locks") || (k == "rho" && s.name != "sequence-basis" && s.name != "global-basis"))
         throw std::invalid_argument(fmt::format("selector '{}': key '{}' does not apply to {}", spec, k, s.name));
-      if (k == "r") s.opts.summary.rank = as_int();
-      else if (k == "basis") s.opts.summary.basis_bits = as_int();
-      else if (k == "coef") s.opts.summary.coef_bits = as_int();
-      else if (k == "centroid") s.opts.summary.centroid_bits = as_int();
-      else if (k == "rho") s.opts.shared_rank = as_int();
-      else if (k == "rule") s.opts.group_rule = parse_group_rule(v);
-      else throw std::invalid_argument(fmt::format("selector '{}': unknown key '{}' (r, basis, coef, centroid, rule, rho)", spec, k));
+      if (k == "r")
+        s.opts.summary.rank = as_int();
+      else if (k == "basis")
+        s.opts.summary.basis_bits = as_int();
+      else if (k == "coef")
+        s.opts.summary.coef_bits = as_int();
+      else if (k == "centroid")
+        s.opts.summary.centroid_bits = as_int();
+      else if (k == "rho")
+        s.opts.shared_rank = as_int();
+      else if (k == "rule")
+        s.opts.group_rule = parse_group_rule(v);
+      else
+        throw std::invalid_argument(
+            fmt::format("selector '{}': unknown key '{}' (r, basis, coef, centroid, rule, rho)", spec, k));
     }
     start = end + 1;
   }
@@ -191,8 +199,34 @@ SelectorSpec parse_selector_spec(const std::string& spec, const SummaryFormat& b
   return s;
 }
 
-std::vector<EvalRow> run_eval(const EvalConfig& cfg, const std::function<void(int, int, const std::string&)>& progress) {
+void check_eval_config(const EvalConfig& cfg) {
+  bool continuation = false;
+  for (const auto& f : cfg.families) {
+    if (f == "continuation")
+      continuation = true;
+    else
+      parse_needle_family(f);
+  }
+  for (const auto& s : cfg.selectors) parse_selector_spec(s, cfg.summary);
+  for (int b : cfg.budgets)
+    if (b < 32 || b % 16 != 0)
+      throw std::invalid_argument(fmt::format("budget {}: must be a multiple of 16, >= 32", b));
+  if (cfg.contexts < 1) throw std::invalid_argument("contexts must be >= 1");
+  if (cfg.continuation_tokens < 1) throw std::invalid_argument("continuation tokens must be >= 1");
+  for (int len : cfg.lengths) {
+    if (len < 256) throw std::invalid_argument(fmt::format("length {}: must be >= 256 tokens", len));
+    if (continuation && cfg.continuation_tokens > len / 2)
+      throw std::invalid_argument(fmt::format(
+          "continuation tokens {} are more than half of the length {}: the prefix the selectors work on would "
+          "be shorter than the forced tokens",
+          cfg.continuation_tokens, len));
+  }
+}
+
+std::vector<EvalRow> run_eval(const EvalConfig& cfg,
+                              const std::function<void(int, int, const std::string&)>& progress) {
   // Validate everything before the (long) run starts.
+  check_eval_config(cfg);
   bool continuation = false;
   std::vector<NeedleFamily> families;
   for (const auto& f : cfg.families) {
@@ -203,17 +237,6 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg, const std::function<void(in
   }
   std::vector<SelectorSpec> specs;
   for (const auto& s : cfg.selectors) specs.push_back(parse_selector_spec(s, cfg.summary));
-  for (int b : cfg.budgets)
-    if (b < 32 || b % 16 != 0) throw std::invalid_argument(fmt::format("budget {}: must be a multiple of 16, >= 32", b));
-  if (cfg.contexts < 1) throw std::invalid_argument("contexts must be >= 1");
-  if (cfg.continuation_tokens < 1) throw std::invalid_argument("continuation tokens must be >= 1");
-  if (continuation)
-    for (int len : cfg.lengths)
-      if (cfg.continuation_tokens > len / 2)
-        throw std::invalid_argument(fmt::format(
-            "--continuation-tokens {} is more than half of the length {}: the prefix the selectors work on would "
-            "be shorter than the forced tokens",
-            cfg.continuation_tokens, len));
 
   const LlamaModel model = LlamaModel::load(cfg.model_path);
   for (int len : cfg.lengths)
@@ -331,8 +354,9 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg, const std::function<void(in
               "{} context {} has {} tokens for length {} (model context {}): a corpus line is longer than the length",
               needle_family_name(fam), c, task.total_tokens(), len, model.hp.n_ctx_train));
         if (progress)
-          progress(done, total, fmt::format("{} {} ctx {}: prefill {} tokens", needle_family_name(fam), len, c,
-                                            task.context_ids.size()));
+          progress(
+              done, total,
+              fmt::format("{} {} ctx {}: prefill {} tokens", needle_family_name(fam), len, c, task.context_ids.size()));
         SessionConfig base_cfg;
         base_cfg.n_ctx = task.total_tokens() + 16;
         Session base(model, base_cfg);
@@ -414,7 +438,8 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg, const std::function<void(in
         const std::vector<int32_t> ids = make_text_tokens(docs, model.tokenizer, len, task_seed);
         const int n_forced = std::min(cfg.continuation_tokens, len - 2);
         const std::vector<int32_t> prefix(ids.begin(), ids.end() - n_forced), forced(ids.end() - n_forced, ids.end());
-        if (progress) progress(done, total, fmt::format("continuation {} ctx {}: prefill {} tokens", len, c, prefix.size()));
+        if (progress)
+          progress(done, total, fmt::format("continuation {} ctx {}: prefill {} tokens", len, c, prefix.size()));
         SessionConfig base_cfg;
         base_cfg.n_ctx = len + 16;
         Session base(model, base_cfg);
