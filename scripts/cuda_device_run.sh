@@ -74,11 +74,12 @@ for stage in "$@"; do
         --device cuda --contexts 1048576 --kv-heads 4 --group 8 --head-dim 128 --batches 1 --runs 1 \
         > "$OUT/ncusrc_${KERNEL:-select_kernel}.csv" 2>&1
       echo "ncu rc=$?" ;;
-    ab)  # A/B: dist/bin/locks_a (previous build) vs dist/bin/locks, same shapes, alternating, one call
-      for r in 1 2; do for v in locks_a locks; do
+    ab)  # A/B: dist/bin/locks_a (previous build) vs dist/bin/locks (AB="locks_a locks locks_c" adds
+         # variants), same shapes, alternating, one call; AB_BATCHES sets the 1M kv4 batches
+      for r in 1 2; do for v in ${AB:-locks_a locks}; do
         [ -x "$DIST/bin/$v" ] || continue
         timeout 60 "$DIST/bin/$v" bench --device cuda --contexts 1048576 --kv-heads 4 --group 8 --head-dim 128 \
-          --batches 1,8 --runs 15 2>&1 | grep -E "^\| custom" | sed "s/^/$v kv4 /"
+          --batches ${AB_BATCHES:-1,8} --runs 15 2>&1 | grep -E "^\| custom" | sed "s/^/$v kv4 /"
         timeout 60 "$DIST/bin/$v" bench --device cuda --contexts 262144 --kv-heads 8 --group 4 --head-dim 128 \
           --batches 1 --runs 15 2>&1 | grep -E "^\| custom" | sed "s/^/$v llama /"
         timeout 60 "$DIST/bin/$v" bench --device cuda --contexts 131072,1048576 --kv-heads 2 --group 16 --head-dim 128 \

@@ -30,6 +30,13 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kMaxSplits = 128;  // merge weights staged in shared memory
 
+// CTAs per split: 2 when the <= 8-row kernel (GT = 8) runs a group of more than 8 heads (group
+// halves), else 1. The kernel and its launch both size the grid by it.
+template <int GT>
+__host__ __device__ constexpr int ctas_per_split(int group) {
+  return (GT == 8 && group > 8) ? 2 : 1;
+}
+
 __device__ __forceinline__ uint32_t u4w(const uint4& v, int w) {
   return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
 }
@@ -48,7 +55,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
   __shared__ int last_flag;
 
   // Group halves (GT = 8, G > 8): CTAs 2s and 2s + 1 run heads [0, 8) and [8, G) of split s.
-  const int nh = (GT == 8 && p.group > 8) ? 2 : 1;
+  const int nh = ctas_per_split<GT>(p.group);
   const int s = blockIdx.x / nh, half = blockIdx.x % nh, h = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int H = p.kv.n_head_kv, G = p.group;
@@ -452,7 +459,7 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(AttentionParams p) {
 template <int D, int GT, typename T>
 cudaError_t launch_attention(const AttentionParams& p, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
-  const unsigned nh = (GT == 8 && p.group > 8) ? 2u : 1u;
+  const unsigned nh = unsigned(ctas_per_split<GT>(p.group));
   cfg.gridDim = dim3(unsigned(p.n_splits) * nh, unsigned(p.kv.n_head_kv), unsigned(p.kv.batch));
   cfg.blockDim = dim3(kThreads);
   cfg.stream = stream;

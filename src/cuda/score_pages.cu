@@ -59,8 +59,25 @@ __device__ __forceinline__ float ex2(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
-__device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(valid ? 16 : 0));
+// L2 policies. The records stream through once per step, so they go first (evict_first); the
+// log-masses this pass writes stay (evict_last) for the share kernel that reads them next. H200, 1M
+// tokens, 4 KV heads, batch 1: step 106 -> 99 us (score 75 -> 71 us, select 19.4 -> 16.5 us).
+__device__ __forceinline__ uint64_t l2_evict_first() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+  return pol;
+}
+__device__ __forceinline__ uint64_t l2_evict_last() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(pol));
+  return pol;
+}
+__device__ __forceinline__ void st_with_policy(float* gmem, float v, uint64_t pol) {
+  asm volatile("st.global.L2::cache_hint.f32 [%0], %1, %2;\n" ::"l"(gmem), "f"(v), "l"(pol) : "memory");
+}
+__device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem, bool valid, uint64_t pol) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(smem), "l"(gmem),
+               "r"(valid ? 16 : 0), "l"(pol));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -163,6 +180,7 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
   __syncthreads();
   uint32_t uses = 0;  // octets this CTA has put through the ring: octet i of an item is use uses + i
 
+  const uint64_t rec_policy = l2_evict_first(), lm_policy = l2_evict_last();
   pdl_wait();
   pdl_launch_dependents();
 
@@ -221,7 +239,7 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
           const uint8_t* src = recs + size_t(max(id, 0)) * REC;
 #pragma unroll
           for (int ch = lane; ch < CPR; ch += 32)
-            cp_async16(dst0 + uint32_t(pp * REC + ch * 16), src + ch * 16, id >= 0);
+            cp_async16(dst0 + uint32_t(pp * REC + ch * 16), src + ch * 16, id >= 0, rec_policy);
         }
         if constexpr (kRing) cp_async_arrive(full_s + 8 * slot);
       }
@@ -580,7 +598,7 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
             const int row = g + 8 * r;
             if (row < G) {
               const float s2 = fmaf(kq[r] * ms[e], cen[r][e], lg[r][e]);
-              (r == 0 ? lm_row0 : lm_row1)[pos] = s2 * kLn2;
+              st_with_policy((r == 0 ? lm_row0 : lm_row1) + pos, s2 * kLn2, lm_policy);
               lse2_merge(run_m[r], run_l[r], s2, 1.0f);
             }
           }
