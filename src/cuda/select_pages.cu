@@ -38,20 +38,21 @@ __global__ void __launch_bounds__(kShareThreads) share_hist_kernel(SelectParams 
   if (j0 >= n) return;
   const int k = max(p.budget_pages, 2);
   const bool topk = n > k;
+  const int j = j0 + threadIdx.x * kSharePages;  // pages j .. j+3 (the stride is a multiple of 8)
+  // Eq. 5: m_bar_j = (1/G) sum_g exp(s_hat_j(q_g) - logsumexp_j' s_hat_j'(q_g)). The G log-mass loads
+  // go out before the barrier that publishes lse_total, so both round trips overlap. Streaming loads
+  // (read once; the score pass left them in the L2 with evict_last): H200, 1M tokens, 4 KV heads,
+  // batch 8: select 42 -> 37 us.
+  float4 lm[kMaxGroup];
+  const float* col = p.log_mass + bh * p.group * p.log_mass_stride + j;
+#pragma unroll
+  for (int g = 0; g < kMaxGroup; ++g)
+    lm[g] = g < p.group && j < n ? __ldcs(reinterpret_cast<const float4*>(col + size_t(g) * p.log_mass_stride))
+                                 : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   for (int i = threadIdx.x; i < kHistBins; i += kShareThreads) hist[i] = 0;
   if (threadIdx.x < p.group) lse2[threadIdx.x] = p.lse_total[bh * p.group + threadIdx.x] * kLog2e;
   __syncthreads();
-  const int j = j0 + threadIdx.x * kSharePages;  // pages j .. j+3 (the stride is a multiple of 8)
   if (j < n) {
-    // Eq. 5: m_bar_j = (1/G) sum_g exp(s_hat_j(q_g) - logsumexp_j' s_hat_j'(q_g)); all G loads first.
-    // Streaming loads (read once; the score pass left them in the L2 with evict_last): H200, 1M tokens,
-    // 4 KV heads, batch 8: select 42 -> 37 us.
-    float4 lm[kMaxGroup];
-    const float* col = p.log_mass + bh * p.group * p.log_mass_stride + j;
-#pragma unroll
-    for (int g = 0; g < kMaxGroup; ++g)
-      lm[g] = g < p.group ? __ldcs(reinterpret_cast<const float4*>(col + size_t(g) * p.log_mass_stride))
-                          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     float acc[kSharePages] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int g = 0; g < kMaxGroup; ++g) {
