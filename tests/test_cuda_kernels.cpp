@@ -22,6 +22,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "locks/attention.h"
@@ -1021,6 +1022,138 @@ TEST(CudaDecodeStep, LocksStepMatchesCpuRandomPages) {
       World w(d, 2, G, {16 * 300 + 7, 16 * 90, 16 * 20 + 1}, lc::KvType::kF16, 500 + d + G);
       run_step_test(w, 32, "random");
     }
+}
+
+// Bad device-side page tables (kernels.h): the bad sequence (the last) gets NaN outputs and a status
+// bit, nothing is read or written out of bounds (memcheck runs this test), and the other sequences'
+// outputs are bit-identical to a run on the clean table.
+TEST(CudaDecodeStep, BadPageTablesGiveNaNAndStatusOthersUnaffected) {
+  SKIP_WITHOUT_CUDA();
+  for (int G : {4, 16}) {
+    World w(128, 2, G, {16 * 40 + 5, 16 * 30, 16 * 50 + 3, 16 * 20 + 9}, lc::KvType::kBF16, 900 + G);
+    const int B = w.B(), last = B - 1, pool = w.cfg.n_pages;
+    const auto q = w.queries(5);
+    std::vector<int32_t> pages;
+    for (const auto& sq : w.seqs)
+      for (int j = 0; j < sq.n_pages(); ++j)
+        if (sq.n_tokens - 16 * j >= 16) pages.push_back(sq.page_table[j]);
+    const size_t rb = lc::summary_record_bytes(w.d);
+    Dev<uint8_t> drec(size_t(w.H) * pool * rb);
+    Dev<uint32_t> dstatus(1);
+    dstatus.fill_bytes(0);
+    lc::SummaryBuildParams bp;
+    bp.k = w.dk.p;
+    bp.dtype = w.dtype;
+    bp.n_head_kv = w.H;
+    bp.head_dim = w.d;
+    bp.n_pages_pool = pool;
+    bp.records = drec.p;
+    bp.status = dstatus.p;
+    {  // summary_build skips page ids outside the pool and says so; the other records are built
+      std::vector<int32_t> with_bad = pages;
+      with_bad.insert(with_bad.begin() + 3, pool + 5);
+      with_bad.push_back(-2);
+      Dev<int32_t> dpages(with_bad);
+      bp.pages = dpages.p;
+      bp.n_pages = int(with_bad.size());
+      ck(lc::summary_build(bp, nullptr), "summary_build");
+      dev_sync();
+      EXPECT_EQ(dstatus.down()[0], uint32_t(lc::kStatusBadPageId));
+    }
+
+    lc::DecodeShape sh;
+    sh.batch = B;
+    sh.n_head_kv = w.H;
+    sh.group = w.G;
+    sh.head_dim = w.d;
+    sh.dtype = w.dtype;
+    sh.max_pages = w.max_pages;
+    sh.budget_pages = 8;
+    const lc::DecodePlan plan = lc::make_decode_plan(sh);
+    Dev<uint8_t> ws(plan.workspace_bytes);
+    ck(lc::init_decode_workspace(plan, ws.p, nullptr), "init workspace");
+    Dev<float> dq(q), d_o(q.size()), dl(size_t(B) * w.H * w.G);
+    const size_t per_seq_o = size_t(w.H) * w.G * w.d, per_seq_l = size_t(w.H) * w.G;
+
+    // Runs the LOCKS step (or the dense step) on a page table; returns (o, lse, status).
+    auto step = [&](const std::vector<int32_t>& indptr, const std::vector<int32_t>& indices,
+                    const std::vector<int32_t>& last_len, bool dense) {
+      Dev<int32_t> di(indptr), dx(indices), dlast(last_len);
+      lc::DecodeStepParams sp;
+      sp.q = dq.p;
+      sp.kv = w.view();
+      sp.kv.indptr = di.p;
+      sp.kv.indices = dx.p;
+      sp.kv.last_page_len = dlast.p;
+      sp.summaries = drec.p;
+      sp.n_pages_pool = pool;
+      sp.scale = 1.0f / std::sqrt(float(w.d));
+      sp.o = d_o.p;
+      sp.lse = dl.p;
+      sp.workspace = ws.p;
+      d_o.fill_bytes(0x7f);  // stale garbage where a kernel fails to write
+      ck(dense ? lc::dense_decode_step(plan, sp, nullptr) : lc::locks_decode_step(plan, sp, nullptr), "step");
+      uint32_t status = 0;
+      ck(lc::read_decode_status(plan, ws.p, &status, /*clear=*/true, nullptr), "status");
+      return std::make_tuple(d_o.down(), dl.down(), status);
+    };
+    for (bool dense : {false, true}) {
+      const auto [o_ref, l_ref, st_ref] = step(w.indptr, w.indices, w.last_len, dense);
+      ASSERT_EQ(st_ref, 0u) << "clean table";
+      for (float x : o_ref) ASSERT_TRUE(std::isfinite(x));
+
+      struct Case {
+        const char* what;
+        uint32_t bit;
+        std::vector<int32_t> indptr, indices, last_len;
+      };
+      std::vector<Case> cases;
+      const int beg = w.indptr[last], n_last = w.indptr[last + 1] - beg;
+      {  // more pages than the launch covers (beyond max_pages and its rounding; the extra ids are valid)
+        Case c{"too many pages", lc::kStatusBadPageCount, w.indptr, w.indices, w.last_len};
+        for (int e = 0; e < 2 * w.max_pages + 8 - n_last; ++e) c.indices.push_back(w.indices[beg + e % n_last]);
+        c.indptr[last + 1] = int32_t(c.indices.size());
+        cases.push_back(c);
+      }
+      {
+        Case c{"descending indptr", lc::kStatusBadPageCount, w.indptr, w.indices, w.last_len};
+        c.indptr[last + 1] = c.indptr[last] - 1;
+        cases.push_back(c);
+      }
+      for (int len : {0, 17, -3}) {
+        Case c{"last_page_len out of range", lc::kStatusBadLastPageLen, w.indptr, w.indices, w.last_len};
+        c.last_len[last] = len;
+        cases.push_back(c);
+      }
+      for (int pos : {0, n_last / 2, n_last - 1})  // sink, middle, the partial recent page
+        for (int32_t id : {pool, pool + 1000, -1, INT32_MIN}) {
+          Case c{"page id outside the pool", lc::kStatusBadPageId, w.indptr, w.indices, w.last_len};
+          c.indices[beg + pos] = id;
+          cases.push_back(c);
+        }
+      for (const Case& c : cases) {
+        const auto [o, l, st] = step(c.indptr, c.indices, c.last_len, dense);
+        const std::string what = std::string(dense ? "dense: " : "locks: ") + c.what;
+        EXPECT_EQ(st, c.bit) << what << " -> " << lc::describe_decode_status(st);
+        for (size_t i = 0; i < size_t(last) * per_seq_o; ++i)
+          ASSERT_EQ(std::memcmp(&o[i], &o_ref[i], 4), 0) << what << ": another sequence's output changed at " << i;
+        for (size_t i = 0; i < size_t(last) * per_seq_l; ++i)
+          ASSERT_EQ(std::memcmp(&l[i], &l_ref[i], 4), 0) << what << ": another sequence's lse changed at " << i;
+        for (size_t i = size_t(last) * per_seq_o; i < o.size(); ++i)
+          ASSERT_TRUE(std::isnan(o[i])) << what << ": the bad sequence's o must be NaN, at " << i << " it is " << o[i];
+        for (size_t i = size_t(last) * per_seq_l; i < l.size(); ++i)
+          ASSERT_TRUE(std::isnan(l[i])) << what << ": the bad sequence's lse must be NaN";
+      }
+      // A clean step after the bad ones: the self-cleaning counters and histograms are intact.
+      const auto [o2, l2, st2] = step(w.indptr, w.indices, w.last_len, dense);
+      EXPECT_EQ(st2, 0u);
+      EXPECT_EQ(std::memcmp(o2.data(), o_ref.data(), o2.size() * 4), 0) << "a clean step after bad ones";
+      std::printf("[ bad input G=%d %s ] %zu cases: NaN for the bad sequence, others bit-identical\n", G,
+                  dense ? "dense" : "locks", cases.size());
+    }
+  }
+  EXPECT_EQ(lc::describe_decode_status(lc::kStatusBadPageId | lc::kStatusBadLastPageLen),
+            "last_page_len outside 1..16; page id outside [0, n_pages_pool)");
 }
 
 TEST(CudaDecodeStep, LocksStepMatchesCpuOnRealModelKeys) {

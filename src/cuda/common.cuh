@@ -102,6 +102,18 @@ __device__ __forceinline__ float h2f_lo(uint32_t w) { return __half2float(__usho
 __device__ __forceinline__ float h2f_hi(uint32_t w) { return __half2float(__ushort_as_half(uint16_t(w >> 16))); }
 
 // ---------------------------------------------------------------------------------------------
+// Bad device-side input (kernels.h): the status word collects DecodeStatus bits.
+__device__ __forceinline__ void raise_status(uint32_t* status, uint32_t bit) {
+  if (status) atomicOr(status, bit);
+}
+// A sequence's page count and last page length, as every kernel checks them: 0 if valid, else the
+// DecodeStatus bit. `capacity` is how many pages the launch covers.
+__device__ __forceinline__ uint32_t sequence_fault(int n_pages, int last_len, int capacity) {
+  if (n_pages < 0 || n_pages > capacity) return kStatusBadPageCount;
+  if (n_pages > 0 && (last_len < 1 || last_len > kPageSize)) return kStatusBadLastPageLen;
+  return 0u;
+}
+// ---------------------------------------------------------------------------------------------
 // Programmatic dependent launch: wait for the previous kernel in the stream before reading its
 // results (no-op when the kernel was launched without the PDL attribute).
 __device__ __forceinline__ void pdl_wait() {

@@ -16,6 +16,7 @@
 //      its own chunk (g) and two rows pack into one register with a byte permute.
 #include <algorithm>
 #include <cfloat>
+#include <climits>
 #include <cmath>
 
 #include "common.cuh"
@@ -35,6 +36,19 @@ constexpr int kMaxSplits = 128;  // merge weights staged in shared memory
 template <int GT>
 __host__ __device__ constexpr int ctas_per_split(int group) {
   return (GT == 8 && group > 8) ? 2 : 1;
+}
+
+// The length of a sequence's page list, or -1 for bad input (kernels.h; its o and lse become NaN):
+// the page count or last page length is out of range (*fault names it), or select_pages saw bad
+// input (n_selected < 0; it is already in the status word).
+__device__ __forceinline__ int list_length(const AttentionParams& p, size_t bh, int n_pages, int last_len,
+                                           uint32_t* fault) {
+  const bool sparse = p.selected != nullptr;
+  *fault = sequence_fault(n_pages, last_len, sparse ? INT_MAX : p.n_splits * p.pages_per_split);
+  if (*fault) return -1;
+  if (n_pages == 0 || !sparse) return n_pages;
+  const int n = p.n_selected[bh];
+  return n > p.selected_stride ? -1 : n;
 }
 
 __device__ __forceinline__ uint32_t u4w(const uint4& v, int w) {
@@ -116,12 +130,15 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
     const int li = li0 + 4 * lane;
     if (li < min((s + 1) * pps, p.selected_stride)) j_pre = __ldg(sel + li);
   }
-  const int n_list = n_pages <= 0 ? 0 : (sparse ? p.n_selected[bh] : n_pages);
+  uint32_t fault = 0;
+  const int n_list = list_length(p, bh, n_pages, last_len, &fault);
   const int active = (n_list + pps - 1) / pps;
-  if (n_list <= 0) {  // empty sequence or list: o = 0, lse = -inf
+  if (n_list <= 0) {  // empty sequence or list: o = 0, lse = -inf; bad input: NaN
     if (blockIdx.x == 0) {
-      for (int e = threadIdx.x; e < G * D; e += kThreads) o_out[e] = 0.0f;
-      if (p.lse && threadIdx.x < G) p.lse[bh * G + threadIdx.x] = -INFINITY;
+      const float o_val = n_list < 0 ? NAN : 0.0f, lse_val = n_list < 0 ? NAN : -INFINITY;
+      for (int e = threadIdx.x; e < G * D; e += kThreads) o_out[e] = o_val;
+      if (p.lse && threadIdx.x < G) p.lse[bh * G + threadIdx.x] = lse_val;
+      if (threadIdx.x == 0 && fault) raise_status(p.status, fault);
     }
     return;
   }
@@ -145,12 +162,18 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
 
   // Page ids come 32 entries at a time, one per lane, a chunk ahead of their use, so the loop's only
   // dependent loads are K and V (not list entry -> page id -> K). Bit 31 marks the sequence's last page.
+  // kBadEntry: a list entry outside the page table, or a page id outside [0, n_pages_pool).
+  constexpr int32_t kBadEntry = INT32_MAX;
   auto ids_of = [&](int r) -> int32_t {  // lane's entry of chunk r
     const int m = 32 * r + lane;
     if (m >= n_mine) return 0;
     const int j = !sparse ? li0 + kWarps * m : r == 0 ? j_pre : __ldg(sel + li0 + kWarps * m);
-    return __ldg(idx + j) | (j == n_pages - 1 ? INT32_MIN : 0);
+    if (j < 0 || j >= n_pages) return kBadEntry;
+    const int32_t id = __ldg(idx + j);
+    if (id < 0 || (p.kv.n_pages_pool > 0 && id >= p.kv.n_pages_pool)) return kBadEntry;
+    return id | (j == n_pages - 1 ? INT32_MIN : 0);
   };
+  bool bad_page = false;  // the warp met a kBadEntry: its state becomes NaN, so the group's o does
   int32_t ids_cur = ids_of(0), ids_nxt = n_mine > 32 ? ids_of(1) : 0;
   // The warp's m-th entry (called for m = 0, 1, 2, ... in order): its K/V offset and token count.
   auto page_of = [&](int m, size_t& off, int& len) {
@@ -159,6 +182,12 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
       ids_nxt = ids_of((m >> 5) + 1);
     }
     const int32_t e = __shfl_sync(kFull, ids_cur, m & 31);
+    if (e == kBadEntry) {  // read nothing
+      bad_page = true;
+      off = 0;
+      len = 0;
+      return;
+    }
     len = e < 0 ? last_len : kPageSize;
     off = (size_t(e & 0x7fffffff) * H + h) * size_t(kPageSize) * D;
   };
@@ -275,7 +304,13 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
     len = nlen;
   }
 
-  // Warp state -> shared memory (rows < GT, natural dim order).
+  if (bad_page) {
+    if (lane == 0) raise_status(p.status, kStatusBadPageId);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) run_l[r] = NAN;
+  }
+  // Warp state -> shared memory (rows < GT, natural dim order). NaN (bad input) propagates through
+  // every combine below: the tests are `!= 0`, not `> 0`.
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     const float l = quad_sum(run_l[r]);
@@ -317,8 +352,8 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
       lsum += wt * warp_l[w][row];
       osum += wt * warp_o[w][row][x];
     }
-    const float ov = lsum > 0.0f ? osum / lsum : 0.0f;
-    const float l2 = lsum > 0.0f ? M + log2f(lsum) : -INFINITY;
+    const float ov = lsum != 0.0f ? osum / lsum : 0.0f;
+    const float l2 = lsum != 0.0f ? M + log2f(lsum) : -INFINITY;
     if (single) {
       o_out[(row0 + row) * D + x] = ov;
       if (p.lse && x == 0) p.lse[bh * G + row0 + row] = l2 * kLn2;
@@ -347,8 +382,8 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
       wts[ss * 16 + row] = wt;
       lsum += wt;
     }
-    warp_m[0][row] = lsum > 0.0f ? 1.0f / lsum : 0.0f;
-    if (p.lse) p.lse[bh * G + row] = lsum > 0.0f ? (M + log2f(lsum)) * kLn2 : -INFINITY;
+    warp_m[0][row] = lsum != 0.0f ? 1.0f / lsum : 0.0f;
+    if (p.lse) p.lse[bh * G + row] = lsum != 0.0f ? (M + log2f(lsum)) * kLn2 : -INFINITY;
   }
   __syncthreads();
   // Each thread: float4 elements (row, x4); all splits' loads of an element issued 16 at a time.
@@ -403,9 +438,10 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(AttentionParams p) {
     v[u] = s < ns ? __ldcg(po + size_t(s) * 16 * kLanes) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
   const int n_pages = p.kv.indptr[b + 1] - p.kv.indptr[b];
-  const int n_list = n_pages <= 0 ? 0 : (p.selected ? p.n_selected[bh] : n_pages);
+  uint32_t fault = 0;
+  const int n_list = list_length(p, bh, n_pages, p.kv.last_page_len[b], &fault);
   const int active = (n_list + p.pages_per_split - 1) / p.pages_per_split;
-  if (active <= 1) return;  // written by the attention kernel
+  if (active <= 1) return;  // written by the attention kernel (NaN for bad input)
 
   const float lv = int(threadIdx.x) < active ? lv_all : -INFINITY;
   float m = lv;
@@ -449,10 +485,10 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(AttentionParams p) {
       sum.z += part[g2][x4].z;
       sum.w += part[g2][x4].w;
     }
-    const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+    const float inv = L != 0.0f ? 1.0f / L : 0.0f;
     reinterpret_cast<float4*>(p.o + (bh * G + row) * D)[x4] =
         make_float4(sum.x * inv, sum.y * inv, sum.z * inv, sum.w * inv);
-    if (x4 == 0 && p.lse) p.lse[bh * G + row] = L > 0.0f ? (M + log2f(L)) * kLn2 : -INFINITY;
+    if (x4 == 0 && p.lse) p.lse[bh * G + row] = L != 0.0f ? (M + log2f(L)) * kLn2 : -INFINITY;
   }
 }
 

@@ -147,6 +147,7 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device) {
   p.off_counters = take(sizeof(uint32_t) * score_counters(sh.batch, sh.n_head_kv));
   p.off_counters_sparse = take(sizeof(uint32_t) * bh);
   p.off_counters_dense = take(sizeof(uint32_t) * bh);
+  p.off_status = take(sizeof(uint32_t));  // sticky: cleared by init_decode_workspace / read_decode_status
   p.counters_bytes = off - zero_begin;
   p.workspace_bytes = off;
 
@@ -157,6 +158,27 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device) {
 
 cudaError_t init_decode_workspace(const DecodePlan& plan, void* ws, cudaStream_t stream) {
   return cudaMemsetAsync(static_cast<char*>(ws) + plan.off_hist, 0, plan.counters_bytes, stream);
+}
+
+cudaError_t read_decode_status(const DecodePlan& plan, void* ws, uint32_t* status, bool clear, cudaStream_t stream) {
+  uint32_t* d = reinterpret_cast<uint32_t*>(static_cast<char*>(ws) + plan.off_status);
+  cudaError_t e = cudaMemcpyAsync(status, d, sizeof(uint32_t), cudaMemcpyDeviceToHost, stream);
+  if (e == cudaSuccess && clear) e = cudaMemsetAsync(d, 0, sizeof(uint32_t), stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+  return e;
+}
+
+std::string describe_decode_status(uint32_t status) {
+  std::string out;
+  auto add = [&](uint32_t bit, const char* what) {
+    if (!(status & bit)) return;
+    if (!out.empty()) out += "; ";
+    out += what;
+  };
+  add(kStatusBadPageCount, "page count out of range (indptr descending, or more pages than the plan's max_pages)");
+  add(kStatusBadLastPageLen, "last_page_len outside 1..16");
+  add(kStatusBadPageId, "page id outside [0, n_pages_pool)");
+  return out;
 }
 
 float* plan_log_mass(const DecodePlan& plan, void* ws) {
@@ -184,6 +206,8 @@ AttentionParams step_attention_params(const DecodePlan& plan, const DecodeStepPa
   AttentionParams ap;
   ap.q = p.q;
   ap.kv = p.kv;
+  if (ap.kv.n_pages_pool == 0) ap.kv.n_pages_pool = p.n_pages_pool;
+  ap.status = at<uint32_t>(p.workspace, plan.off_status);
   ap.group = plan.shape.group;
   ap.scale = p.scale;
   ap.pages_per_split = sparse ? plan.sparse_pages_per_split : plan.dense_pages_per_split;
@@ -219,6 +243,7 @@ cudaError_t locks_decode_step(const DecodePlan& plan, const DecodeStepParams& p,
   sp.counters = counters;
   sp.grid = plan.score_grid;
   sp.pdl = plan.pdl;
+  sp.status = at<uint32_t>(p.workspace, plan.off_status);
   cudaError_t e = score_pages(sp, stream);
   if (e != cudaSuccess) return e;
 

@@ -202,11 +202,13 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
     const int b = int(bh / H), h = int(bh % H);
     const int pbeg = p.kv.indptr[b];
     const int n_pages = p.kv.indptr[b + 1] - pbeg;
-    if (n_pages <= 0) {  // an empty sequence: no shares to normalise
-      if (c == 0 && int(threadIdx.x) < G) p.lse_total[bh * G + threadIdx.x] = -INFINITY;
+    const int last_len = p.kv.last_page_len[b];
+    const uint32_t fault = sequence_fault(n_pages, last_len, min(p.log_mass_stride, n_chunks * p.chunk_pages));
+    if (fault || n_pages == 0) {  // bad input: NaN; an empty sequence: no shares to normalise
+      if (c == 0 && int(threadIdx.x) < G) p.lse_total[bh * G + threadIdx.x] = fault ? NAN : -INFINITY;
+      if (c == 0 && threadIdx.x == 0 && fault) raise_status(p.status, fault);
       continue;
     }
-    const int last_len = p.kv.last_page_len[b];
     const bool partial = last_len < kPageSize;
     const int n_scored = partial ? n_pages - 1 : n_pages;  // pages scored from summaries
     const int active = max(1, (n_scored + p.chunk_pages - 1) / p.chunk_pages);
@@ -221,9 +223,13 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
     const int32_t* idx = p.kv.indices + pbeg;
     const int oct_begin = c * (p.chunk_pages / 8);
     const int n_oct = min(oct_begin + p.chunk_pages / 8, (n_scored + 7) / 8) - oct_begin;
-    auto load_ids = [&](int i) -> int32_t {  // lane p < 8: page id of page p of octet i, or -1
+    // A page id outside the pool is read as a zero record and makes the sequence's lse_total NaN. It is
+    // checked where the copy is issued, long after its load (a check at the load stalled every octet
+    // on it: 1M kv4 score 70 -> 77 us).
+    bool bad_id = false;
+    auto load_ids = [&](int i) -> int32_t {  // lane p < 8: page id of page p of octet i (0 past the end)
       const int pos = (oct_begin + i) * 8 + (lane & 7);
-      return (i < n_oct && pos < n_scored) ? __ldg(idx + pos) : -1;
+      return (i < n_oct && pos < n_scored) ? __ldg(idx + pos) : 0;
     };
     auto issue = [&](int i, int32_t ids, uint32_t slot) {  // the warp copies octet i into a slot
       if (i < n_oct) {
@@ -234,8 +240,13 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
         if (kRing && lane == 0) publish_use(slot_use_s + 4 * slot, uses + uint32_t(i));
         const uint32_t dst0 = ring_s + slot * uint32_t(8 * REC);
 #pragma unroll
+        const bool in = (oct_begin + i) * 8 + (lane & 7) < n_scored;  // once per octet: lane p has page p
+        const bool ok = in && uint32_t(ids) < uint32_t(p.n_pages_pool);
+        bad_id |= in && !ok;
+        const int32_t ids_ok = ok ? ids : -1;
+#pragma unroll
         for (int pp = 0; pp < 8; ++pp) {
-          const int32_t id = __shfl_sync(kFull, ids, pp);
+          const int32_t id = __shfl_sync(kFull, ids_ok, pp);
           const uint8_t* src = recs + size_t(max(id, 0)) * REC;
 #pragma unroll
           for (int ch = lane; ch < CPR; ch += 32)
@@ -262,7 +273,7 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
       constexpr int F = (R + kWarps - 1) / kWarps;  // the initial fill: octets warp, warp + 4, ... < R
       int32_t fill[F];
 #pragma unroll
-      for (int f = 0; f < F; ++f) fill[f] = warp + kWarps * f < R ? load_ids(warp + kWarps * f) : -1;
+      for (int f = 0; f < F; ++f) fill[f] = warp + kWarps * f < R ? load_ids(warp + kWarps * f) : 0;
 #pragma unroll
       for (int f = 0; f < F; ++f)
         if (warp + kWarps * f < R) issue(warp + kWarps * f, fill[f], (uses + uint32_t(warp + kWarps * f)) % R);
@@ -307,7 +318,11 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
     // The partial recent page: exact log-mass from its keys (CPU: exact_log_mass), CTA 0 only.
     const bool do_exact = partial && c == 0;
     if (do_exact) {
-      const int32_t id = idx[n_pages - 1];
+      int32_t id = idx[n_pages - 1];
+      if (uint32_t(id) >= uint32_t(p.n_pages_pool)) {
+        bad_id = true;  // its keys are not read (page 0's are instead)
+        id = 0;
+      }
       const uint16_t* kp = static_cast<const uint16_t*>(p.kv.k) + (size_t(id) * H + h) * size_t(kPageSize) * D;
       const bool bf16 = p.kv.dtype == KvType::kBF16;
       for (int e = threadIdx.x; e < last_len * G; e += kThreads) {
@@ -622,13 +637,15 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
         warp_l[warp][g + 8 * r] = l;
       }
     }
-    __syncthreads();
+    const bool chunk_bad = __syncthreads_or(bad_id);
+    if (chunk_bad && threadIdx.x == 0) raise_status(p.status, kStatusBadPageId);
     if (threadIdx.x < G) {
       const int r = threadIdx.x;
       float m = -INFINITY, l = 0.0f;
       for (int w = 0; w < kWarps; ++w) lse2_merge(m, l, warp_m[w][r], warp_l[w][r]);
       if (do_exact) lse2_merge(m, l, ex_s2[r], 1.0f);
-      reinterpret_cast<float2*>(p.chunk_stats)[(bh * n_chunks + c) * 16 + r] = make_float2(m, l);
+      reinterpret_cast<float2*>(p.chunk_stats)[(bh * n_chunks + c) * 16 + r] =
+          chunk_bad ? make_float2(NAN, NAN) : make_float2(m, l);
     }
     if (!last_cta_done(p.counters + bh, uint32_t(active), &last_flag)) continue;
 
@@ -636,16 +653,19 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
     const float2* cs2 = reinterpret_cast<const float2*>(p.chunk_stats) + bh * n_chunks * 16;
     for (int r = warp; r < G; r += kWarps) {
       float m = -INFINITY, l = 0.0f;
+      bool bad = false;  // a chunk saw a page id outside the pool
       for (int cc = lane; cc < active; cc += 32) {
         const float2 v = __ldcg(cs2 + size_t(cc) * 16 + r);
+        bad |= isnan(v.y);
         lse2_merge(m, l, v.x, v.y);
       }
+      bad = __any_sync(kFull, bad);
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) {
         const float m2 = __shfl_xor_sync(kFull, m, o), l2 = __shfl_xor_sync(kFull, l, o);
         lse2_merge(m, l, m2, l2);
       }
-      if (lane == 0) p.lse_total[bh * G + r] = m == -INFINITY ? -INFINITY : (m + log2f(l)) * kLn2;
+      if (lane == 0) p.lse_total[bh * G + r] = bad ? NAN : m == -INFINITY ? -INFINITY : (m + log2f(l)) * kLn2;
     }
   }
 }
@@ -714,8 +734,8 @@ int score_ctas_per_sm(int head_dim, int group) {
 cudaError_t score_pages(const ScoreParams& p, cudaStream_t stream) {
   if (p.kv.batch <= 0 || p.kv.n_head_kv <= 0) return cudaSuccess;
   if (p.group < 1 || p.group > kMaxGroup || p.chunk_pages <= 0 || p.chunk_pages % 32 != 0 || p.n_chunks <= 0 ||
-      p.log_mass_stride <= 0 || !p.q || !p.summaries || !p.log_mass || !p.lse_total || !p.chunk_stats || !p.counters ||
-      !p.kv.indptr || !p.kv.indices || !p.kv.last_page_len || !p.kv.k)
+      p.log_mass_stride <= 0 || p.n_pages_pool <= 0 || !p.q || !p.summaries || !p.log_mass || !p.lse_total ||
+      !p.chunk_stats || !p.counters || !p.kv.indptr || !p.kv.indices || !p.kv.last_page_len || !p.kv.k)
     return cudaErrorInvalidValue;
   switch (p.kv.head_dim) {
     case 64:

@@ -35,7 +35,7 @@ __global__ void __launch_bounds__(kShareThreads) share_hist_kernel(SelectParams 
   const size_t bh = size_t(b) * p.n_head_kv + h;
   const int n = p.indptr[b + 1] - p.indptr[b];
   const int j0 = blockIdx.x * kShareThreads * kSharePages;
-  if (j0 >= n) return;
+  if (j0 >= n || n > p.log_mass_stride) return;  // (too many pages: bad input, see select_kernel)
   const int k = max(p.budget_pages, 2);
   const bool topk = n > k;
   const int j = j0 + threadIdx.x * kSharePages;  // pages j .. j+3 (the stride is a multiple of 8)
@@ -52,6 +52,7 @@ __global__ void __launch_bounds__(kShareThreads) share_hist_kernel(SelectParams 
   for (int i = threadIdx.x; i < kHistBins; i += kShareThreads) hist[i] = 0;
   if (threadIdx.x < p.group) lse2[threadIdx.x] = p.lse_total[bh * p.group + threadIdx.x] * kLog2e;
   __syncthreads();
+  if (isnan(lse2[0])) return;  // bad input (score_pages): no histogram; select_kernel gives n_selected = -1
   if (j < n) {
     float acc[kSharePages] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -190,8 +191,13 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectParams p) 
   const int b = blockIdx.y, h = blockIdx.x;
   const size_t bh = size_t(b) * p.n_head_kv + h;
   const int n = p.indptr[b + 1] - p.indptr[b];
+  const float lse0 = p.lse_total[bh * p.group];
   const int k = max(p.budget_pages, 2);
   int32_t* out = p.selected + bh * p.budget_pages;
+  if (n < 0 || n > p.log_mass_stride || isnan(lse0)) {  // bad input (score_pages set the status)
+    if (threadIdx.x == 0) p.n_selected[bh] = -1;
+    return;
+  }
   if (n <= k) {  // the budget covers the sequence: every page (equals dense)
     for (int j = threadIdx.x; j < n; j += kSelectThreads) out[j] = j;
     if (threadIdx.x == 0) p.n_selected[bh] = max(n, 0);

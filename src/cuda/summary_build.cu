@@ -65,6 +65,10 @@ __global__ void __launch_bounds__(kWarps * 32) summary_build_kernel(SummaryBuild
   if (item >= long(p.n_pages) * p.n_head_kv) return;  // warp-uniform
   const int32_t page = p.pages[item / p.n_head_kv];
   const int h = int(item % p.n_head_kv);
+  if (page < 0 || page >= p.n_pages_pool) {  // bad input: nothing read or written
+    if (lane == 0) raise_status(p.status, kStatusBadPageId);
+    return;
+  }
   const bool bf16 = p.dtype == KvType::kBF16;
 
   // Keys of the page: [16][D] elements, 16-byte loads.
@@ -338,7 +342,7 @@ size_t summary_record_bytes(int head_dim) { return layout::record_bytes(head_dim
 
 cudaError_t summary_build(const SummaryBuildParams& p, cudaStream_t stream) {
   if (p.n_pages <= 0 || p.n_head_kv <= 0) return cudaSuccess;
-  if (!p.k || !p.pages || !p.records) return cudaErrorInvalidValue;
+  if (!p.k || !p.pages || !p.records || p.n_pages_pool <= 0) return cudaErrorInvalidValue;
   switch (p.head_dim) {
     case 64:
       return launch_build<64>(p, stream);

@@ -24,6 +24,13 @@
 //   Queries:              q [batch][n_head_kv * group][head_dim] float32, post-RoPE; query head
 //                         n uses KV head n / group (llama.cpp / HF GQA order).
 // Supported: head_dim 64 or 128; group 1..16 (any value, 5, 6, 7 included); page size 16.
+//
+// Bad device-side input (checked on the device; ~0.5% of a LOCKS step at batch 1 on the H200, measured
+// in one A/B call, nothing measurable in the dense step): a sequence whose page count
+// is negative (indptr not ascending) or above what the launch covers, whose last_page_len is outside
+// 1..16, or whose page table holds an id outside [0, n_pages_pool), is never read or written out of
+// bounds. Its outputs become NaN (o, lse, lse_total; n_selected = -1) and a bit of the optional
+// status word is set (DecodeStatus; read it with read_decode_status). Other sequences are unaffected.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -41,6 +48,15 @@ constexpr int kHistBins = 2048;  // top-k histogram over share bits 30..20
 
 enum class KvType : int { kF16 = 0, kBF16 = 1 };
 
+/// Bits of the status word (`status` in the Params below; one per DecodePlan workspace).
+enum DecodeStatus : uint32_t {
+  kStatusBadPageCount = 1u,    // n_pages_b < 0 (indptr descending) or above the launch's page capacity
+  kStatusBadLastPageLen = 2u,  // last_page_len[b] outside 1..16 for a sequence with pages
+  kStatusBadPageId = 4u,       // a page id outside [0, n_pages_pool)
+};
+/// "page count out of range (indptr descending, or above the plan's max_pages); ..." (empty for 0).
+std::string describe_decode_status(uint32_t status);
+
 /// Bytes of one summary record on the device (832 at head_dim 128, 512 at 64).
 size_t summary_record_bytes(int head_dim);
 
@@ -55,6 +71,7 @@ struct PagedKvView {
   const int32_t* indptr = nullptr;         // [batch + 1]
   const int32_t* indices = nullptr;        // [indptr[batch]] page ids
   const int32_t* last_page_len = nullptr;  // [batch], 1..16
+  int n_pages_pool = 0;                    // page ids must be < n_pages_pool; 0: ids are not checked
 };
 
 // ----------------------------------------------------------------------------------------------
@@ -73,6 +90,7 @@ struct SummaryBuildParams {
   int n_pages_pool = 0;
   uint8_t* records = nullptr;  // [n_head_kv][n_pages_pool][record_bytes]
   float* tails = nullptr;      // [n_head_kv][n_pages_pool], nullable
+  uint32_t* status = nullptr;  // nullable: kStatusBadPageId for an id outside the pool (skipped)
 };
 cudaError_t summary_build(const SummaryBuildParams& p, cudaStream_t stream);
 
@@ -106,6 +124,9 @@ struct ScoreParams {
   uint32_t* counters = nullptr;  // workspace [batch * n_head_kv + 2], zero-initialised
   int grid = 0;                  // persistent CTAs; 0: enough to fill the device
   bool pdl = false;              // launch with programmatic dependent launch
+  /// Nullable. Bad input (see the top of this file): page count above log_mass_stride, last_page_len
+  /// outside 1..16, a page id outside [0, n_pages_pool) (read as a zero record) -> lse_total NaN.
+  uint32_t* status = nullptr;
 };
 /// Counters a ScoreParams needs (batch * n_head_kv + 2).
 inline size_t score_counters(int batch, int n_head_kv) { return size_t(batch) * n_head_kv + 2; }
@@ -116,8 +137,9 @@ cudaError_t score_pages(const ScoreParams& p, cudaStream_t stream);
 /// exp(log_mass[g][j] - lse_total[g]); keep page 0 (sink), page n-1 (recent) and the top-(k-2) other
 /// pages by share, ties to the lower page index (exact: a 2048-bin histogram of the share's float
 /// bits narrows the threshold, then a radix select on (share bits, ~index) resolves it). Output
-/// positions ascending; n_b <= k selects every page. Two kernels: shares + histogram (grid
-/// (ceil(stride / 256), n_head_kv, batch) x 256 threads) and select (grid (n_head_kv, batch) x 1024
+/// positions ascending; n_b <= k selects every page. A sequence with a NaN lse_total (bad input, see
+/// score_pages) or more pages than log_mass_stride gets n_selected = -1 and no selection. Two kernels: shares +
+/// histogram (grid (ceil(stride / 256), n_head_kv, batch) x 256 threads) and select (grid (n_head_kv, batch) x 1024
 /// threads, one CTA per GQA group). hist must be zero before the first launch; left zero afterwards.
 struct SelectParams {
   int batch = 0;
@@ -143,7 +165,9 @@ cudaError_t select_pages(const SelectParams& p, cudaStream_t stream);
 /// sequence) handles the whole group (G query heads as the rows of m16n8k16 MMAs, K and V read once
 /// for the group, f32 accumulation); splits are merged by log-sum-exp in the last CTA of each
 /// (sequence, KV head), or by a merge kernel when there are many splits. The partial last page is
-/// masked to last_page_len tokens. An empty page list gives o = 0 and lse = -inf.
+/// masked to last_page_len tokens. An empty page list gives o = 0 and lse = -inf. Bad input (see the
+/// top of this file; dense: more pages than n_splits * pages_per_split; sparse: n_selected < 0)
+/// gives o = NaN and lse = NaN for the whole group.
 /// Launch contract: grid (n_splits, n_head_kv, batch) x 128 threads (2 n_splits with group_halves
 /// and G > 8: CTAs 2s and 2s + 1 take heads [0, 8) and [8, G) of split s); split s handles list entries
 /// [s * pages_per_split, (s + 1) * pages_per_split), n_splits >= ceil(max list length /
@@ -175,6 +199,7 @@ struct AttentionParams {
   /// G > 8 only: run each split as two CTAs of at most 8 heads (rows [0, 8) and [8, G)), the second
   /// reading K/V mostly from the L2, instead of one CTA with all G heads as MMA rows.
   bool group_halves = false;
+  uint32_t* status = nullptr;  // nullable: DecodeStatus bits for bad input
 };
 cudaError_t paged_decode_attention(const AttentionParams& p, cudaStream_t stream);
 
@@ -204,7 +229,7 @@ struct DecodePlan {
   // Byte offsets inside the workspace.
   size_t off_log_mass = 0, off_lse_total = 0, off_chunk_stats = 0, off_keys = 0, off_hist = 0, off_selected = 0,
          off_n_selected = 0, off_partial_o = 0, off_partial_lse = 0, off_counters = 0, off_counters_sparse = 0,
-         off_counters_dense = 0;
+         off_counters_dense = 0, off_status = 0;
   int score_grid = 0;
   size_t counters_bytes = 0;
 };
@@ -227,6 +252,10 @@ struct DecodeStepParams {
 cudaError_t locks_decode_step(const DecodePlan& plan, const DecodeStepParams& p, cudaStream_t stream);
 /// Dense step over every page (same kernel, more splits).
 cudaError_t dense_decode_step(const DecodePlan& plan, const DecodeStepParams& p, cudaStream_t stream);
+
+/// The workspace's status word (DecodeStatus bits, set by any step since the last clear), copied to
+/// the host: synchronises `stream`. With clear, resets it to 0 (also stream-ordered).
+cudaError_t read_decode_status(const DecodePlan& plan, void* ws, uint32_t* status, bool clear, cudaStream_t stream);
 
 /// Views into a plan's workspace (for tests and diagnostics).
 float* plan_log_mass(const DecodePlan& plan, void* ws);
