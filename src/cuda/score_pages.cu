@@ -239,7 +239,6 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
         // none of them.
         if (kRing && lane == 0) publish_use(slot_use_s + 4 * slot, uses + uint32_t(i));
         const uint32_t dst0 = ring_s + slot * uint32_t(8 * REC);
-#pragma unroll
         const bool in = (oct_begin + i) * 8 + (lane & 7) < n_scored;  // once per octet: lane p has page p
         const bool ok = in && uint32_t(ids) < uint32_t(p.n_pages_pool);
         bad_id |= in && !ok;
