@@ -247,3 +247,56 @@ TEST(KvCache, ConfigValidationAndDtypeNames) {
   EXPECT_EQ(kv_dtype_bytes(KvDtype::F16), 2u);
   EXPECT_EQ(kv_dtype_bytes(KvDtype::F32), 4u);
 }
+
+// A copy (Session::fork) holds the same K/V in every page in use and the same free list; the pool's
+// free pages are not copied (they read as zero in the copy, never as another page's data).
+TEST(KvCache, CopyKeepsPagesInUseAndFreeList) {
+  PagedKvCache cache(small_cfg(12, KvDtype::F32));
+  KvSequence a, b;
+  cache.append_tokens(a, 40);
+  cache.append_tokens(b, 20);
+  const int d = 64, H = 3;
+  std::mt19937 rng(3);
+  for (KvSequence* s : {&a, &b})
+    for (int il = 0; il < 2; ++il)
+      for (int t = 0; t < s->n_tokens; ++t) {
+        const auto k = randn(rng, size_t(H) * d), v = randn(rng, size_t(H) * d);
+        cache.write(il, *s, t, k.data(), v.data());
+      }
+  cache.release(b);  // its pages keep stale data in `cache`
+  const PagedKvCache copy(cache);
+  EXPECT_EQ(copy.n_free_pages(), cache.n_free_pages());
+  std::vector<float> x(size_t(16) * d), y(x.size());
+  for (int il = 0; il < 2; ++il)
+    for (int32_t p = 0; p < 12; ++p)
+      for (int h = 0; h < H; ++h) {
+        const bool used = std::find(a.page_table.begin(), a.page_table.end(), p) != a.page_table.end();
+        copy.k_page_f32(il, p, h, x.data());
+        if (used) {
+          cache.k_page_f32(il, p, h, y.data());
+          EXPECT_EQ(x, y) << "layer " << il << " page " << p << " head " << h;
+          copy.v_page_f32(il, p, h, x.data());
+          cache.v_page_f32(il, p, h, y.data());
+          EXPECT_EQ(x, y);
+        } else {
+          EXPECT_TRUE(std::all_of(x.begin(), x.end(), [](float f) { return f == 0.0f; })) << "free page " << p;
+        }
+      }
+  // The copy hands out the same pages next, as the original would.
+  PagedKvCache c2(copy);
+  KvSequence s1, s2;
+  cache.append_tokens(s1, 33);
+  c2.append_tokens(s2, 33);
+  EXPECT_EQ(s1.page_table, s2.page_table);
+}
+
+// Memory is committed as pages are written, so a pool for 2^22 tokens costs nothing until used;
+// in use, the pages' bytes are counted (the guard against exceeding physical memory uses them).
+TEST(KvCache, LargePoolIsCheapUntilUsed) {
+  KvCacheConfig c = small_cfg(1 << 18, KvDtype::F16, 8, 8, 128);  // 2^22 tokens: 64 GiB if committed
+  PagedKvCache cache(c);
+  EXPECT_EQ(cache.bytes_in_use(), 0u);
+  KvSequence s;
+  cache.append_tokens(s, 17);
+  EXPECT_EQ(cache.bytes_in_use(), size_t(2) * 2 * 8 * 8 * 16 * 128 * 2);  // 2 pages, K+V, 8 layers, 8 heads
+}
