@@ -286,7 +286,10 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg,
   const int total = n_fam * int(cfg.lengths.size()) * cfg.contexts;
   int done = 0;
   const int matched_rho = matched_bytes_rank(cfg.summary, 16, model.hp.head_dim);
-  const std::vector<int> loc_ranks = {1, 2, 4, 8, 16, matched_rho};
+  std::vector<int> loc_ranks;  // ranks above head_dim do not exist (tiny models: head_dim 8)
+  for (int r : {1, 2, 4, 8, 16, matched_rho})
+    if (r <= model.hp.head_dim && std::find(loc_ranks.begin(), loc_ranks.end(), r) == loc_ranks.end())
+      loc_ranks.push_back(r);
   std::map<int, std::vector<LocalityResult>> locality;  // by length
 
   auto fork_config = [](const SelectorSpec& spec, int b) {
