@@ -98,15 +98,17 @@ Runner add_eval(CLI::App& app) {
     } catch (const std::invalid_argument& e) {
       throw CLI::ValidationError("eval", e.what());
     }
-    auto progress = [](int done, int total, const std::string& what) {
+    bool progress_shown = false;
+    auto progress = [&progress_shown](int done, int total, const std::string& what) {
       fmt::print(stderr, "\r[eval] {:>4}/{} contexts | {:<60}", done, total, what);
       std::fflush(stderr);
+      progress_shown = true;
     };
     std::vector<EvalRow> rows;
     try {
       rows = run_eval(cfg, progress);
     } catch (...) {
-      fmt::print(stderr, "\n");  // end the progress line before the error
+      if (progress_shown) fmt::print(stderr, "\n");  // end the progress line before the error
       throw;
     }
     fmt::print(stderr, "\n");

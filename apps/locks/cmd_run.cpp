@@ -157,7 +157,7 @@ Runner add_run(CLI::App& app) {
       ->capture_default_str();
   app.add_option("-b,--budget", a->budget, "attention budget per KV head in tokens (multiple of 16, >= 32)")
       ->transform(decimal_integer())
-      ->check(CLI::Range(32, 1 << 26))
+      ->check(CLI::Range(32, kMaxContextTokens))
       ->capture_default_str();
   app.add_option("-r,--rank", a->rank, "LOCKS summary rank r (1..16)")
       ->transform(decimal_integer())
@@ -190,10 +190,10 @@ Runner add_run(CLI::App& app) {
                  "the last N prompt tokens go through the decode path (selection runs on them) instead of prefill "
                  "(default: 0; 24 for the default prompt, its question)")
       ->transform(decimal_integer())
-      ->check(CLI::Range(0, 1 << 26));
+      ->check(CLI::Range(0, kMaxContextTokens));
   app.add_option("-c,--ctx", a->n_ctx, "context size in tokens (default: the model's)")
       ->transform(decimal_integer())
-      ->check(CLI::Range(1, 1 << 26));
+      ->check(CLI::Range(1, kMaxContextTokens));
   app.add_option("--kv-dtype", a->kv_dtype, "KV cache storage: f16 or f32")
       ->check(CLI::IsMember({"f16", "f32"}))
       ->capture_default_str();

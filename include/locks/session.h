@@ -15,6 +15,9 @@
 
 namespace locks {
 
+/// The longest context a Session accepts, in tokens (2^26; the page ids of a pool stay 32-bit).
+constexpr int kMaxContextTokens = 1 << 26;
+
 struct SessionConfig {
   int n_ctx = 0;                  // max tokens; 0 = the model's training context
   KvDtype kv_dtype = KvDtype::F16;

@@ -214,7 +214,8 @@ void check_eval_config(const EvalConfig& cfg) {
   if (cfg.contexts < 1) throw std::invalid_argument("contexts must be >= 1");
   if (cfg.continuation_tokens < 1) throw std::invalid_argument("continuation tokens must be >= 1");
   for (int len : cfg.lengths) {
-    if (len < 256) throw std::invalid_argument(fmt::format("length {}: must be >= 256 tokens", len));
+    if (len < 256 || len > kMaxContextTokens)
+      throw std::invalid_argument(fmt::format("length {}: must be in [256, {}] tokens", len, kMaxContextTokens));
     if (continuation && cfg.continuation_tokens > len / 2)
       throw std::invalid_argument(fmt::format(
           "continuation tokens {} are more than half of the length {}: the prefix the selectors work on would "
@@ -240,9 +241,12 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg,
 
   const LlamaModel model = LlamaModel::load(cfg.model_path);
   for (int len : cfg.lengths)
-    if (len < 256 || len > model.hp.n_ctx_train)
+    if (len > model.hp.n_ctx_train)
       throw std::invalid_argument(
-          fmt::format("length {} outside [256, {}] (the model's context)", len, model.hp.n_ctx_train));
+          model.hp.n_ctx_train < 256
+              ? fmt::format("the model's context of {} tokens is shorter than eval's shortest length, 256",
+                            model.hp.n_ctx_train)
+              : fmt::format("length {} is longer than the model's context of {} tokens", len, model.hp.n_ctx_train));
   for (const auto& s : specs) {
     KvCacheConfig probe_cfg{model.hp.n_layer, model.hp.n_head_kv, model.hp.head_dim, 16, 1, KvDtype::F16};
     if (s.name != "global-basis") make_selector(s.name, probe_cfg, s.opts);  // throws on bad variants

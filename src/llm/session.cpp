@@ -84,7 +84,7 @@ Session::Session(const LlamaModel& model, const SessionConfig& cfg)
         c.n_head_kv = model.hp.n_head_kv;
         c.head_dim = model.hp.head_dim;
         c.page_size = 16;
-        if (n_ctx_ <= 0 || n_ctx_ > (1 << 26))
+        if (n_ctx_ <= 0 || n_ctx_ > kMaxContextTokens)
           throw std::invalid_argument(fmt::format("context size {} outside [1, 2^26] tokens", n_ctx_));
         c.n_pages = (n_ctx_ + c.page_size - 1) / c.page_size;
         c.dtype = cfg.kv_dtype;
