@@ -180,6 +180,13 @@ std::vector<int32_t> haystack_tokens(const LlamaModel& model, int n) {
 
 void bench_model(const BenchArgs& a) {
   const LlamaModel model = LlamaModel::load(a.model.empty() ? default_model_path() : a.model);
+  // A 4096-token prefill, then a long context for the decode comparison.
+  constexpr int kMinModelContext = 4096 + 64;
+  if (model.hp.n_ctx_train < kMinModelContext)
+    throw std::runtime_error(fmt::format(
+        "bench's model part needs a model context of at least {} tokens; '{}' has {} (--skip-model runs the "
+        "attention part only)",
+        kMinModelContext, model.name, model.hp.n_ctx_train));
   fmt::print("== model {} ({} layers, d_model {}, {} heads / {} KV heads), {} threads ==\n", model.name,
              model.hp.n_layer, model.hp.n_embd, model.hp.n_head, model.hp.n_head_kv, omp_get_max_threads());
   {
@@ -284,7 +291,7 @@ Runner add_bench(CLI::App& app) {
       app.add_flag("--f16", a->f16, "cuda: f16 KV instead of bf16"),
       app.add_flag("--no-pdl", a->no_pdl, "cuda: launch the step's kernels without programmatic dependent launch")};
   // ---- end CUDA ----
-  app.add_option("-m,--model", a->model, "GGUF model for the engine benchmark");
+  app.add_option("-m,--model", a->model, "GGUF model for the engine benchmark")->check(non_empty_path());
   app.add_flag("--skip-model", a->skip_model, "only the attention benchmark");
   app.add_flag("--skip-attention", a->skip_attention, "only the engine benchmark");
   app.add_option("--threads", a->threads, "CPU threads (default: all cores)")

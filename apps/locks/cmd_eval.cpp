@@ -15,7 +15,8 @@ Runner add_eval(CLI::App& app) {
   auto c = std::make_shared<EvalConfig>();
   auto threads = std::make_shared<int>(0);
   c->corpus_path = "../shared/data/heldout-text.txt.xz";
-  app.add_option("-m,--model", c->model_path, "GGUF model (default: models/locks-ref-a-q8_0.gguf)");
+  app.add_option("-m,--model", c->model_path, "GGUF model (default: models/locks-ref-a-q8_0.gguf)")
+      ->check(non_empty_path());
   app.add_option("--corpus", c->corpus_path, "held-out documents (.txt or .txt.xz, 0x1E-separated)")
       ->capture_default_str();
   app.add_option("--tasks", c->families, "task families: single, multikey, multiquery, continuation")

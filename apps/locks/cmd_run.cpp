@@ -143,7 +143,8 @@ int run(const RunArgs& a) {
 
 Runner add_run(CLI::App& app) {
   auto a = std::make_shared<RunArgs>();
-  app.add_option("-m,--model", a->model, "GGUF model (default: models/locks-ref-a-q8_0.gguf)");
+  app.add_option("-m,--model", a->model, "GGUF model (default: models/locks-ref-a-q8_0.gguf)")
+      ->check(non_empty_path());
   CLI::Option* prompt_opt = app.add_option("-p,--prompt", a->prompt, "prompt text (\"\" = generate from BOS)");
   app.add_option("-f,--prompt-file", a->prompt_file, "prompt file, '-' for stdin (default: examples/needle-8k.txt)");
   app.add_option("-s,--selector", a->selector,

@@ -20,6 +20,12 @@ Runner add_eval(CLI::App& app);
 /// Shared: the embedded default model path (models/locks-ref-a-q8_0.gguf, resolved).
 std::string default_model_path();
 
+/// Shared, for path options: an empty path is an error (not "use the default").
+inline CLI::Validator non_empty_path() {
+  return CLI::Validator([](std::string& s) { return s.empty() ? std::string("empty path") : std::string(); },
+                        "PATH");
+}
+
 /// Shared, for float options: the whole text is a number (before a range check, which would call
 /// "12abc" out of range).
 inline CLI::Validator number_text() {
