@@ -252,6 +252,38 @@ struct World {
     return v;
   }
   int B() const { return int(seqs.size()); }
+  // Page ids of every full page (those with a summary).
+  std::vector<int32_t> full_pages() const {
+    std::vector<int32_t> pages;
+    for (const auto& s : seqs)
+      for (int j = 0; j < s.n_pages(); ++j)
+        if (s.n_tokens - 16 * j >= 16) pages.push_back(s.page_table[j]);
+    return pages;
+  }
+  // summary_build of `pages` into `records` ([H][pool][record bytes]).
+  lc::SummaryBuildParams build_params(const Dev<int32_t>& pages, int n_pages, uint8_t* records) const {
+    lc::SummaryBuildParams bp;
+    bp.k = dk.p;
+    bp.dtype = dtype;
+    bp.n_head_kv = H;
+    bp.head_dim = d;
+    bp.pages = pages.p;
+    bp.n_pages = n_pages;
+    bp.n_pages_pool = cfg.n_pages;
+    bp.records = records;
+    return bp;
+  }
+  lc::DecodeShape decode_shape(int budget_pages) const {
+    lc::DecodeShape sh;
+    sh.batch = B();
+    sh.n_head_kv = H;
+    sh.group = G;
+    sh.head_dim = d;
+    sh.dtype = dtype;
+    sh.max_pages = max_pages;
+    sh.budget_pages = budget_pages;
+    return sh;
+  }
   std::vector<float> keys(int32_t page, int h) const {
     std::vector<float> k(size_t(16) * d);
     cache->k_page_f32(0, page, h, k.data());
@@ -907,33 +939,12 @@ TEST(CudaAttention, EmptyListGivesZeroAndNegInf) {
 void run_step_test(World& w, int budget_pages, const char* what) {
   const auto q = w.queries(77);
   // GPU summaries of every full page.
-  std::vector<int32_t> pages;
-  for (const auto& s : w.seqs)
-    for (int j = 0; j < s.n_pages(); ++j)
-      if (s.n_tokens - 16 * j >= 16) pages.push_back(s.page_table[j]);
-  const size_t rb = lc::summary_record_bytes(w.d);
-  Dev<uint8_t> drec(size_t(w.H) * w.cfg.n_pages * rb);
+  const std::vector<int32_t> pages = w.full_pages();
+  Dev<uint8_t> drec(size_t(w.H) * w.cfg.n_pages * lc::summary_record_bytes(w.d));
   Dev<int32_t> dpages(pages.empty() ? std::vector<int32_t>{0} : pages);
-  lc::SummaryBuildParams bp;
-  bp.k = w.dk.p;
-  bp.dtype = w.dtype;
-  bp.n_head_kv = w.H;
-  bp.head_dim = w.d;
-  bp.pages = dpages.p;
-  bp.n_pages = int(pages.size());
-  bp.n_pages_pool = w.cfg.n_pages;
-  bp.records = drec.p;
-  ck(lc::summary_build(bp, nullptr), "summary_build");
+  ck(lc::summary_build(w.build_params(dpages, int(pages.size()), drec.p), nullptr), "summary_build");
 
-  lc::DecodeShape sh;
-  sh.batch = w.B();
-  sh.n_head_kv = w.H;
-  sh.group = w.G;
-  sh.head_dim = w.d;
-  sh.dtype = w.dtype;
-  sh.max_pages = w.max_pages;
-  sh.budget_pages = budget_pages;
-  const lc::DecodePlan plan = lc::make_decode_plan(sh);
+  const lc::DecodePlan plan = lc::make_decode_plan(w.decode_shape(budget_pages));
   Dev<uint8_t> ws(plan.workspace_bytes);
   ck(lc::init_decode_workspace(plan, ws.p, nullptr), "init workspace");
   Dev<float> dq(q), d_o(q.size()), dl(size_t(w.B()) * w.H * w.G);
@@ -1033,43 +1044,22 @@ TEST(CudaDecodeStep, BadPageTablesGiveNaNAndStatusOthersUnaffected) {
     World w(128, 2, G, {16 * 40 + 5, 16 * 30, 16 * 50 + 3, 16 * 20 + 9}, lc::KvType::kBF16, 900 + G);
     const int B = w.B(), last = B - 1, pool = w.cfg.n_pages;
     const auto q = w.queries(5);
-    std::vector<int32_t> pages;
-    for (const auto& sq : w.seqs)
-      for (int j = 0; j < sq.n_pages(); ++j)
-        if (sq.n_tokens - 16 * j >= 16) pages.push_back(sq.page_table[j]);
-    const size_t rb = lc::summary_record_bytes(w.d);
-    Dev<uint8_t> drec(size_t(w.H) * pool * rb);
+    Dev<uint8_t> drec(size_t(w.H) * pool * lc::summary_record_bytes(w.d));
     Dev<uint32_t> dstatus(1);
     dstatus.fill_bytes(0);
-    lc::SummaryBuildParams bp;
-    bp.k = w.dk.p;
-    bp.dtype = w.dtype;
-    bp.n_head_kv = w.H;
-    bp.head_dim = w.d;
-    bp.n_pages_pool = pool;
-    bp.records = drec.p;
-    bp.status = dstatus.p;
     {  // summary_build skips page ids outside the pool and says so; the other records are built
-      std::vector<int32_t> with_bad = pages;
+      std::vector<int32_t> with_bad = w.full_pages();
       with_bad.insert(with_bad.begin() + 3, pool + 5);
       with_bad.push_back(-2);
       Dev<int32_t> dpages(with_bad);
-      bp.pages = dpages.p;
-      bp.n_pages = int(with_bad.size());
+      lc::SummaryBuildParams bp = w.build_params(dpages, int(with_bad.size()), drec.p);
+      bp.status = dstatus.p;
       ck(lc::summary_build(bp, nullptr), "summary_build");
       dev_sync();
       EXPECT_EQ(dstatus.down()[0], uint32_t(lc::kStatusBadPageId));
     }
 
-    lc::DecodeShape sh;
-    sh.batch = B;
-    sh.n_head_kv = w.H;
-    sh.group = w.G;
-    sh.head_dim = w.d;
-    sh.dtype = w.dtype;
-    sh.max_pages = w.max_pages;
-    sh.budget_pages = 8;
-    const lc::DecodePlan plan = lc::make_decode_plan(sh);
+    const lc::DecodePlan plan = lc::make_decode_plan(w.decode_shape(8));
     Dev<uint8_t> ws(plan.workspace_bytes);
     ck(lc::init_decode_workspace(plan, ws.p, nullptr), "init workspace");
     Dev<float> dq(q), d_o(q.size()), dl(size_t(B) * w.H * w.G);
