@@ -83,7 +83,8 @@ int32_t PagedKvCache::append_tokens(KvSequence& seq, int32_t n) {
   // Pages are committed as they are written: refuse what this machine cannot hold, rather than be
   // killed by the kernel's OOM killer halfway through a prefill.
   const size_t in_use = bytes_in_use() + size_t(std::max<int64_t>(extra, 0)) * page_bytes();
-  if (const size_t mem = physical_memory(); mem > 0 && in_use > mem)
+  static const size_t mem = physical_memory();  // (once: append_tokens runs every decode step)
+  if (mem > 0 && in_use > mem)
     throw std::runtime_error(fmt::format(
         "KV cache: {} tokens in use would need {:.1f} GiB of K/V, more than this machine's {:.1f} GiB of memory",
         int64_t(cfg_.n_pages - int64_t(free_.size()) + extra) * B, double(in_use) / (1 << 30),
