@@ -175,7 +175,7 @@ std::string describe_decode_status(uint32_t status) {
     if (!out.empty()) out += "; ";
     out += what;
   };
-  add(kStatusBadPageCount, "page count out of range (indptr descending, or more pages than the plan's max_pages)");
+  add(kStatusBadPageCount, "page count out of range (indptr descending, or more pages than the plan covers: max_pages)");
   add(kStatusBadLastPageLen, "last_page_len outside 1..16");
   add(kStatusBadPageId, "page id outside [0, n_pages_pool)");
   return out;
