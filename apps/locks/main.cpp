@@ -50,11 +50,13 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "locks: error: {}\n", e.what());
     return 2;
   } catch (const std::bad_alloc&) {
+    std::fflush(stdout);  // what the command printed so far comes before the error
     fmt::print(stderr,
                "locks: error: out of memory: use less context (run: -c/--ctx; eval: --lengths; bench: --contexts, "
                "--kv-heads, --batches)\n");
     return 1;
   } catch (const std::exception& e) {
+    std::fflush(stdout);
     fmt::print(stderr, "locks: error: {}\n", e.what());
     return 1;
   }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "locks/fp16.h"
+#include "locks/zeroed_array.h"
 
 namespace locks {
 
@@ -42,25 +43,6 @@ inline int page_tokens(const KvSequence& seq, int j, int page_size) {
   return j == seq.n_pages() - 1 ? seq.n_tokens - j * page_size : page_size;
 }
 
-/// Zero-initialised bytes from calloc: the OS maps a page of memory on its first write, so a pool
-/// sized for a long context costs memory only for the pages in use (llama.cpp's pool, by contrast,
-/// is committed up front).
-class ZeroedBytes {
- public:
-  ZeroedBytes() = default;
-  explicit ZeroedBytes(size_t n);  // throws std::bad_alloc when the address space is refused
-  uint8_t* data() { return p_.get(); }
-  const uint8_t* data() const { return p_.get(); }
-  size_t size() const { return n_; }
-
- private:
-  struct Free {
-    void operator()(uint8_t* p) const;
-  };
-  std::unique_ptr<uint8_t, Free> p_;
-  size_t n_ = 0;
-};
-
 /// The page pool. Storage per (layer, page): K as [n_head_kv][B][head_dim] (HND inside the page,
 /// so one KV head's page is a contiguous [B][head_dim] block), V the same. Memory is taken as pages
 /// are written, not for the whole pool up front.
@@ -69,11 +51,6 @@ class PagedKvCache {
   /// Throws std::invalid_argument on non-positive sizes or a pool whose byte size overflows, and
   /// std::bad_alloc when the system refuses even the pool's address space.
   explicit PagedKvCache(const KvCacheConfig& cfg);
-  /// Copies the pages in use (a fork of a long-context pool stays as small as its sequences).
-  PagedKvCache(const PagedKvCache& other);
-  PagedKvCache& operator=(const PagedKvCache&) = delete;
-  PagedKvCache(PagedKvCache&&) noexcept = default;
-  PagedKvCache& operator=(PagedKvCache&&) noexcept = default;
 
   const KvCacheConfig& config() const { return cfg_; }
   int page_size() const { return cfg_.page_size; }
@@ -81,8 +58,8 @@ class PagedKvCache {
 
   /// Make room for `n` more tokens at the end of `seq` (allocating pages as needed) and return the
   /// position of the first new token. Throws std::runtime_error naming the pool size when the pool
-  /// cannot hold them, or naming the bytes when the pages in use would exceed this machine's
-  /// physical memory (nothing is allocated in either case).
+  /// cannot hold them, or naming the bytes when the new pages (plus a quarter for the selectors'
+  /// per-page data) would not fit in the memory available now (nothing is allocated in either case).
   int32_t append_tokens(KvSequence& seq, int32_t n);
   /// Return all pages of `seq` to the pool and clear it.
   void release(KvSequence& seq);
@@ -116,13 +93,13 @@ class PagedKvCache {
     return ((static_cast<size_t>(il) * cfg_.n_pages + page) * cfg_.n_head_kv + kv_head) * block_elems() *
            kv_dtype_bytes(cfg_.dtype);
   }
-  const void* ptr(const ZeroedBytes& buf, int il, int32_t page, int kv_head) const {
+  const void* ptr(const ZeroedArray<uint8_t>& buf, int il, int32_t page, int kv_head) const {
     return buf.data() + offset(il, page, kv_head);
   }
-  void to_f32(const ZeroedBytes& buf, int il, int32_t page, int kv_head, float* out) const;
+  void to_f32(const ZeroedArray<uint8_t>& buf, int il, int32_t page, int kv_head, float* out) const;
 
   KvCacheConfig cfg_;
-  ZeroedBytes k_, v_;           // [n_layer][n_pages][n_head_kv][B][head_dim]
+  ZeroedArray<uint8_t> k_, v_;  // [n_layer][n_pages][n_head_kv][B][head_dim], committed as written
   std::vector<int32_t> free_;   // free page ids, popped from the back (lowest id first)
 };
 

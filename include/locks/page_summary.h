@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "locks/fp16.h"
+#include "locks/zeroed_array.h"
 
 namespace locks {
 
@@ -90,14 +91,15 @@ class PageSummaryStore {
   int n_head_kv_ = 0, n_pages_ = 0, B_ = 16, d_ = 0;
   size_t basis_stride_ = 0, coef_stride_ = 0, centroid_stride_ = 0, summary_bytes_ = 0;
   bool fast_path_ = false;  // shipped-like format handled by the AVX2 score kernel
-  std::vector<uint8_t> basis_;           // [L][H][P][basis_stride_] packed codes / bf16 / f32
-  std::vector<f16_t> basis_scale_;       // [L][H][P][r]
-  std::vector<uint8_t> coef_;            // [L][H][P][coef_stride_] int8 codes or f32
-  std::vector<f16_t> coef_scale_;        // [L][H][P][B]
-  std::vector<uint8_t> centroid_;        // [L][H][P][centroid_stride_] int8 codes or f32
-  std::vector<f16_t> centroid_scale_;    // [L][H][P]
-  std::vector<float> tail_;              // [L][H][P]
-  std::vector<uint8_t> valid_;           // [L][H][P]
+  // Committed as pages are stored (ZeroedArray), not for the whole pool up front.
+  ZeroedArray<uint8_t> basis_;           // [L][H][P][basis_stride_] packed codes / bf16 / f32
+  ZeroedArray<f16_t> basis_scale_;       // [L][H][P][r]
+  ZeroedArray<uint8_t> coef_;            // [L][H][P][coef_stride_] int8 codes or f32
+  ZeroedArray<f16_t> coef_scale_;        // [L][H][P][B]
+  ZeroedArray<uint8_t> centroid_;        // [L][H][P][centroid_stride_] int8 codes or f32
+  ZeroedArray<f16_t> centroid_scale_;    // [L][H][P]
+  ZeroedArray<float> tail_;              // [L][H][P]
+  ZeroedArray<uint8_t> valid_;           // [L][H][P]
 };
 
 }  // namespace locks

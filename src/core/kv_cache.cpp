@@ -4,9 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
+#include <cstdio>
 #include <cstring>
-#include <new>
 #include <limits>
 #include <stdexcept>
 
@@ -22,18 +21,33 @@ KvDtype parse_kv_dtype(const std::string& s) {
   throw std::invalid_argument(fmt::format("unknown KV cache dtype '{}' (expected f16 or f32)", s));
 }
 
-ZeroedBytes::ZeroedBytes(size_t n) : n_(n) {
-  // calloc of a large block maps fresh zero pages (no memset), so nothing is committed yet.
-  p_.reset(static_cast<uint8_t*>(std::calloc(std::max<size_t>(n, 1), 1)));
-  if (!p_) throw std::bad_alloc();
-}
-void ZeroedBytes::Free::operator()(uint8_t* p) const { std::free(p); }
-
 namespace {
-// Physical memory of this machine in bytes (0 if unknown).
-size_t physical_memory() {
-  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-  return pages > 0 && page > 0 ? size_t(pages) * size_t(page) : 0;
+// Memory this process can still commit, in bytes: Linux's MemAvailable, capped by a cgroup v2
+// limit when one is set; the physical memory where neither is readable; 0 if unknown.
+size_t available_memory() {
+  size_t avail = 0;
+  if (std::FILE* f = std::fopen("/proc/meminfo", "r")) {
+    char key[64];
+    unsigned long long kb = 0;
+    while (std::fscanf(f, "%63s %llu kB", key, &kb) == 2)
+      if (std::strcmp(key, "MemAvailable:") == 0) {
+        avail = size_t(kb) * 1024;
+        break;
+      }
+    std::fclose(f);
+  }
+  if (avail == 0) {
+    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+    if (pages > 0 && page > 0) avail = size_t(pages) * size_t(page);
+  }
+  unsigned long long max = 0, cur = 0;
+  std::FILE* fm = std::fopen("/sys/fs/cgroup/memory.max", "r");  // "max" (no limit) fails the scan
+  std::FILE* fc = std::fopen("/sys/fs/cgroup/memory.current", "r");
+  if (fm && fc && std::fscanf(fm, "%llu", &max) == 1 && std::fscanf(fc, "%llu", &cur) == 1)
+    avail = std::min<size_t>(avail, max > cur ? size_t(max - cur) : 0);
+  if (fm) std::fclose(fm);
+  if (fc) std::fclose(fc);
+  return avail;
 }
 }  // namespace
 
@@ -49,24 +63,10 @@ PagedKvCache::PagedKvCache(const KvCacheConfig& cfg) : cfg_(cfg) {
   if (bytes > 0.5 * double(std::numeric_limits<size_t>::max()))
     throw std::invalid_argument("KV cache config: pool size overflows");
   const size_t n = static_cast<size_t>(bytes / 2);
-  k_ = ZeroedBytes(n);
-  v_ = ZeroedBytes(n);
+  k_ = ZeroedArray<uint8_t>(n);
+  v_ = ZeroedArray<uint8_t>(n);
   free_.resize(cfg.n_pages);
   for (int i = 0; i < cfg.n_pages; ++i) free_[i] = cfg.n_pages - 1 - i;
-}
-
-PagedKvCache::PagedKvCache(const PagedKvCache& o)
-    : cfg_(o.cfg_), k_(o.k_.size()), v_(o.v_.size()), free_(o.free_) {
-  std::vector<bool> is_free(cfg_.n_pages, false);
-  for (int32_t p : free_) is_free[p] = true;
-  const size_t run = size_t(cfg_.n_head_kv) * block_elems() * kv_dtype_bytes(cfg_.dtype);  // one (layer, page)
-  for (int il = 0; il < cfg_.n_layer; ++il)
-    for (int32_t p = 0; p < cfg_.n_pages; ++p)
-      if (!is_free[p]) {
-        const size_t off = offset(il, p, 0);
-        std::memcpy(k_.data() + off, o.k_.data() + off, run);
-        std::memcpy(v_.data() + off, o.v_.data() + off, run);
-      }
 }
 
 int32_t PagedKvCache::append_tokens(KvSequence& seq, int32_t n) {
@@ -80,15 +80,18 @@ int32_t PagedKvCache::append_tokens(KvSequence& seq, int32_t n) {
         "KV page pool exhausted: {} more tokens need {} new pages but only {} of {} pages are free "
         "(pool holds {} tokens)",
         n, extra, free_.size(), cfg_.n_pages, int64_t(cfg_.n_pages) * B));
-  // Pages are committed as they are written: refuse what this machine cannot hold, rather than be
-  // killed by the kernel's OOM killer halfway through a prefill.
-  const size_t in_use = bytes_in_use() + size_t(std::max<int64_t>(extra, 0)) * page_bytes();
-  static const size_t mem = physical_memory();  // (once: append_tokens runs every decode step)
-  if (mem > 0 && in_use > mem)
-    throw std::runtime_error(fmt::format(
-        "KV cache: {} tokens in use would need {:.1f} GiB of K/V, more than this machine's {:.1f} GiB of memory",
-        int64_t(cfg_.n_pages - int64_t(free_.size()) + extra) * B, double(in_use) / (1 << 30),
-        double(mem) / (1 << 30)));
+  // Pages are committed as they are written: refuse what this machine cannot hold now, rather than
+  // be killed by the kernel's OOM killer halfway through a prefill. The new pages count with a
+  // quarter on top for the selectors' per-page data (LOCKS summaries: ~10% of K+V). Read when
+  // pages are added (every B decode steps), so the figure is current.
+  if (extra > 0) {
+    const size_t need = size_t(extra) * page_bytes() * 5 / 4;
+    if (const size_t avail = available_memory(); avail > 0 && need > avail)
+      throw std::runtime_error(fmt::format(
+          "KV cache: {} more tokens need {:.1f} GiB of K/V and selector data, but only {:.1f} GiB of memory is "
+          "available (in use: {:.1f} GiB of K/V)",
+          n, double(need) / (1 << 30), double(avail) / (1 << 30), double(bytes_in_use()) / (1 << 30)));
+  }
   for (int64_t i = 0; i < extra; ++i) {
     seq.page_table.push_back(free_.back());
     free_.pop_back();
@@ -138,7 +141,7 @@ void PagedKvCache::write(int il, const KvSequence& seq, int32_t pos, const float
   }
 }
 
-void PagedKvCache::to_f32(const ZeroedBytes& buf, int il, int32_t page, int kv_head, float* out) const {
+void PagedKvCache::to_f32(const ZeroedArray<uint8_t>& buf, int il, int32_t page, int kv_head, float* out) const {
   const void* p = ptr(buf, il, page, kv_head);
   if (cfg_.dtype == KvDtype::F16)
     f16_to_f32_row(static_cast<const f16_t*>(p), out, block_elems());

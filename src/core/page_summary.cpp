@@ -293,14 +293,14 @@ PageSummaryStore::PageSummaryStore(const SummaryFormat& fmt, int n_layer, int n_
   fast_path_ = (fmt.basis_bits == 4 || fmt.basis_bits == 8) && fmt.coef_bits == 8 && fmt.centroid_bits == 8 &&
                B_ == 16 && d_ % 8 == 0 && (fmt.rank == 4 || fmt.rank == 8 || fmt.rank == 16);
   const size_t n = size_t(n_layer) * n_head_kv * n_pages;
-  basis_.assign(n * basis_stride_, 0);
-  basis_scale_.assign(n * r, 0);
-  coef_.assign(n * coef_stride_, 0);
-  coef_scale_.assign(n * B_, 0);
-  centroid_.assign(n * centroid_stride_, 0);
-  centroid_scale_.assign(n, 0);
-  tail_.assign(n, 0.0f);
-  valid_.assign(n, 0);
+  basis_ = ZeroedArray<uint8_t>(n * basis_stride_);
+  basis_scale_ = ZeroedArray<f16_t>(n * r);
+  coef_ = ZeroedArray<uint8_t>(n * coef_stride_);
+  coef_scale_ = ZeroedArray<f16_t>(n * B_);
+  centroid_ = ZeroedArray<uint8_t>(n * centroid_stride_);
+  centroid_scale_ = ZeroedArray<f16_t>(n);
+  tail_ = ZeroedArray<float>(n);
+  valid_ = ZeroedArray<uint8_t>(n);
 }
 
 void PageSummaryStore::store(int il, int kv_head, int32_t page, const PageSummaryF32& s) {

@@ -12,8 +12,8 @@ namespace locks {
 PageBlobStore::PageBlobStore(const KvCacheConfig& cfg, size_t blob_bytes)
     : n_head_kv_(cfg.n_head_kv), n_pages_(cfg.n_pages), blob_bytes_(blob_bytes) {
   const size_t n = size_t(cfg.n_layer) * cfg.n_head_kv * cfg.n_pages;
-  data_.assign(n * blob_bytes_, 0);
-  valid_.assign(n, 0);
+  data_ = ZeroedArray<uint8_t>(n * blob_bytes_);
+  valid_ = ZeroedArray<uint8_t>(n);
 }
 
 void EstimatingSelector::select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out) {

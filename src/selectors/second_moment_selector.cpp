@@ -38,7 +38,7 @@ SecondMomentSelector::SecondMomentSelector(const KvCacheConfig& cfg, const Summa
   fmt.validate(cfg.page_size, cfg.head_dim);
   store_ = PageBlobStore(cfg, page_bytes(fmt, cfg.head_dim));
   dec_stride_ = size_t(d_) + size_t(fmt.rank) * (d_ + 1);
-  dec_.assign(store_.slots() * dec_stride_, 0.0f);
+  dec_ = ZeroedArray<float>(store_.slots() * dec_stride_);
 }
 
 void SecondMomentSelector::on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) {

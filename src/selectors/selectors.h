@@ -72,8 +72,8 @@ class PageBlobStore {
  private:
   int n_head_kv_ = 0, n_pages_ = 0;
   size_t blob_bytes_ = 0;
-  std::vector<uint8_t> data_;   // [L][H][P][blob_bytes]
-  std::vector<uint8_t> valid_;  // [L][H][P]
+  ZeroedArray<uint8_t> data_;   // [L][H][P][blob_bytes], committed as pages are stored
+  ZeroedArray<uint8_t> valid_;  // [L][H][P]
 };
 
 /// Base of the baselines that select by a per-head page estimate.
@@ -157,7 +157,7 @@ class SecondMomentSelector final : public EstimatingSelector {
   // sigma_k^2 / B [r]: exactly the stored values), so the per-step estimate does not re-decode
   // every page. bytes_read counts the stored format (page_bytes()).
   size_t dec_stride_ = 0;
-  std::vector<float> dec_;  // [layer][kv_head][page][d + r * d + r]
+  ZeroedArray<float> dec_;  // [layer][kv_head][page][d + r * d + r], committed as pages fill
 };
 
 /// Per-page half of a shared-basis summary: centroid mu_j (centroid_bits) and the coefficients
@@ -195,7 +195,7 @@ class SharedBasisPages {
   // probe's reconstruction) runs on floats without re-decoding every page each step. bytes_read
   // still counts the stored format (page_bytes()); this is an evaluation-speed layout choice.
   size_t dec_stride_ = 0;
-  std::vector<float> dec_;  // [layer][kv_head][page][d + rho * B]
+  ZeroedArray<float> dec_;  // [layer][kv_head][page][d + rho * B], committed as pages fill
 };
 
 /// `sequence-basis` (ShadowKV's scope): one rank-rho PCA basis per (layer, KV head) of this

@@ -114,7 +114,7 @@ SharedBasisPages::SharedBasisPages(const KvCacheConfig& cfg, int rho, int coef_b
   f.centroid_bits = centroid_bits;
   store_ = PageBlobStore(cfg, shared_basis_page_bytes(f, B_, d_, rho));
   dec_stride_ = size_t(d_) + size_t(rho_) * B_;
-  dec_.assign(store_.slots() * dec_stride_, 0.0f);
+  dec_ = ZeroedArray<float>(store_.slots() * dec_stride_);
 }
 
 void SharedBasisPages::build(int il, int h, int32_t page, const float* keys, const float* basis) {
