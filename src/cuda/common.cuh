@@ -106,6 +106,10 @@ __device__ __forceinline__ float h2f_hi(uint32_t w) { return __half2float(__usho
 __device__ __forceinline__ void raise_status(uint32_t* status, uint32_t bit) {
   if (status) atomicOr(status, bit);
 }
+// A page id the pool holds. n_pages_pool 0: not checked (any id >= 0 passes).
+__device__ __forceinline__ bool page_id_ok(int32_t id, int n_pages_pool) {
+  return n_pages_pool > 0 ? uint32_t(id) < uint32_t(n_pages_pool) : id >= 0;
+}
 // A sequence's page count and last page length, as every kernel checks them: 0 if valid, else the
 // DecodeStatus bit. `capacity` is how many pages the launch covers.
 __device__ __forceinline__ uint32_t sequence_fault(int n_pages, int last_len, int capacity) {

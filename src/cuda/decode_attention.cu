@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
     const int j = !sparse ? li0 + kWarps * m : r == 0 ? j_pre : __ldg(sel + li0 + kWarps * m);
     if (j < 0 || j >= n_pages) return kBadEntry;
     const int32_t id = __ldg(idx + j);
-    if (id < 0 || (p.kv.n_pages_pool > 0 && id >= p.kv.n_pages_pool)) return kBadEntry;
+    if (!page_id_ok(id, p.kv.n_pages_pool)) return kBadEntry;
     return id | (j == n_pages - 1 ? INT32_MIN : 0);
   };
   bool bad_page = false;  // the warp met a kBadEntry: its state becomes NaN, so the group's o does

@@ -240,7 +240,7 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
         if (kRing && lane == 0) publish_use(slot_use_s + 4 * slot, uses + uint32_t(i));
         const uint32_t dst0 = ring_s + slot * uint32_t(8 * REC);
         const bool in = (oct_begin + i) * 8 + (lane & 7) < n_scored;  // once per octet: lane p has page p
-        const bool ok = in && uint32_t(ids) < uint32_t(p.n_pages_pool);
+        const bool ok = in && page_id_ok(ids, p.n_pages_pool);
         bad_id |= in && !ok;
         const int32_t ids_ok = ok ? ids : -1;
 #pragma unroll
@@ -318,7 +318,7 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
     const bool do_exact = partial && c == 0;
     if (do_exact) {
       int32_t id = idx[n_pages - 1];
-      if (uint32_t(id) >= uint32_t(p.n_pages_pool)) {
+      if (!page_id_ok(id, p.n_pages_pool)) {
         bad_id = true;  // its keys are not read (page 0's are instead)
         id = 0;
       }

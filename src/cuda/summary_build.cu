@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(kWarps * 32) summary_build_kernel(SummaryBuild
   if (item >= long(p.n_pages) * p.n_head_kv) return;  // warp-uniform
   const int32_t page = p.pages[item / p.n_head_kv];
   const int h = int(item % p.n_head_kv);
-  if (page < 0 || page >= p.n_pages_pool) {  // bad input: nothing read or written
+  if (!page_id_ok(page, p.n_pages_pool)) {  // bad input: nothing read or written
     if (lane == 0) raise_status(p.status, kStatusBadPageId);
     return;
   }
