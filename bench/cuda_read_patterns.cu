@@ -1,8 +1,9 @@
 // Read-bandwidth ceilings for the score pass's access pattern: 832-byte page-summary records read
 // once each, by different load paths. Standalone tuning tool (not part of the library build):
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a bench/cuda_read_patterns.cu -o read_patterns
-//   ./read_patterns            (prints GB/s per pattern, median of 15 runs, L2 flushed before each)
-// Patterns (every one reads the same 262144 records = 218 MB, the 1M-token, 4-KV-head point):
+//   ./read_patterns [read|write] [batch...]   (GB/s per pattern, median of 15 runs, L2 flushed before
+//                                               each by a 256 MiB read (default) or write)
+// Patterns (each reads batch x 262144 records = batch x 218 MB, the 1M-token, 4-KV-head point):
 //   linear-ldg    grid-stride 16-byte loads (the plain read ceiling)
 //   chunk-ldg     CTA c reads its own contiguous chunk; warps take octets (8 records) round-robin,
 //                 16-byte loads into registers, one octet ahead
@@ -15,6 +16,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #define CK(x)                                                                        \
@@ -144,19 +147,41 @@ __global__ void __launch_bounds__(128) chunk_smem(const uint8_t* recs, int chunk
   if (acc == 0x9e3779b9u) sink[0] = acc;
 }
 
-__global__ void flush(uint4* p, size_t n16) {
+// The L2 flush before each timed run: a 256 MiB read (as `locks bench --device cuda` and
+// scripts/bench_sdpa.py do) or a 256 MiB write, which leaves the L2 full of dirty lines that the
+// timed read must first write back.
+__global__ void flush_read(const uint4* p, size_t n16, uint32_t* sink) {
+  uint32_t acc = 0;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n16; i += size_t(gridDim.x) * blockDim.x)
+    acc ^= __ldcg(p + i).x;
+  if (acc == 0x9e3779b9u) sink[1] = acc;
+}
+__global__ void flush_write(uint4* p, size_t n16) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n16; i += size_t(gridDim.x) * blockDim.x)
     p[i] = make_uint4(uint32_t(i), 0, 0, 0);
 }
 
+struct Flush {
+  uint4* buf;
+  size_t n16;
+  uint32_t* sink;
+  bool write;
+  void run() const {
+    if (write)
+      flush_write<<<1024, 256>>>(buf, n16);
+    else
+      flush_read<<<1024, 256>>>(buf, n16, sink);
+  }
+};
+
 template <class F>
-float time_median(F&& launch, uint4* fl, size_t fl16) {
+float time_median(F&& launch, const Flush& fl) {
   cudaEvent_t a, b;
   CK(cudaEventCreate(&a));
   CK(cudaEventCreate(&b));
   std::vector<float> ts;
   for (int r = 0; r < 18; ++r) {
-    flush<<<1024, 256>>>(fl, fl16);
+    fl.run();
     CK(cudaEventRecord(a));
     launch();
     CK(cudaEventRecord(b));
@@ -170,45 +195,53 @@ float time_median(F&& launch, uint4* fl, size_t fl16) {
   return ts[ts.size() / 2];
 }
 
-int main() {
-  const int n_rec = 262144;
-  const size_t bytes = size_t(n_rec) * REC;
-  uint8_t* recs;
-  uint32_t* sink;
-  uint4* fl;
-  const size_t fl_bytes = size_t(256) << 20;
-  CK(cudaMalloc(&recs, bytes));
-  CK(cudaMalloc(&sink, 64));
-  CK(cudaMalloc(&fl, fl_bytes));
-  CK(cudaMemset(recs, 0x5a, bytes));
+// Usage: read_patterns [read|write] [batch...]   (defaults: read 1; batch b reads b * 262144 records)
+int main(int argc, char** argv) {
+  const bool write_flush = argc > 1 && std::string(argv[1]) == "write";
+  std::vector<int> batches;
+  for (int a = 2; a < argc; ++a) batches.push_back(std::atoi(argv[a]));
+  if (batches.empty()) batches.push_back(1);
   int n_sm = 0;
   CK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, 0));
-  auto report = [&](const char* name, float ms) {
-    std::printf("%-28s %8.1f us %8.0f GB/s\n", name, ms * 1e3f, double(bytes) / (ms * 1e-3) / 1e9);
-  };
-  report("linear-ldg", time_median([&] { linear_ldg<<<n_sm * 8, 256>>>(reinterpret_cast<const uint4*>(recs), bytes / 16, sink); },
-                                   fl, fl_bytes / 16));
-  for (int ctas_per_sm : {2, 4}) {
-    const int grid = n_sm * ctas_per_sm;
-    const int chunk = (n_rec + grid - 1) / grid / 32 * 32 + 32;
-    const int g = (n_rec + chunk - 1) / chunk;
-    char name[64];
-    std::snprintf(name, sizeof name, "chunk-ldg (%d CTAs)", g);
-    report(name, time_median([&] { chunk_ldg<<<g, 128>>>(recs, chunk, n_rec, sink); }, fl, fl_bytes / 16));
-    auto run_smem = [&](auto kern, int stages, const char* what) {
-      const int smem = kWarps * stages * 8 * REC;
-      CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-      int occ = 0;
-      CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, 128, smem));
-      std::snprintf(name, sizeof name, "%s s%d (%d CTAs, %d/SM)", what, stages, g, occ);
-      report(name, time_median([&] { kern<<<g, 128, smem>>>(recs, chunk, n_rec, sink); }, fl, fl_bytes / 16));
+  const size_t fl_bytes = size_t(256) << 20;
+  Flush fl{nullptr, fl_bytes / 16, nullptr, write_flush};
+  CK(cudaMalloc(&fl.buf, fl_bytes));
+  CK(cudaMemset(fl.buf, 1, fl_bytes));
+  uint32_t* sink;
+  CK(cudaMalloc(&sink, 64));
+  fl.sink = sink;
+  std::printf("L2 flush before each run: 256 MiB %s\n", write_flush ? "write" : "read");
+  for (int batch : batches) {
+    const int n_rec = 262144 * batch;
+    const size_t bytes = size_t(n_rec) * REC;
+    uint8_t* recs;
+    CK(cudaMalloc(&recs, bytes));
+    CK(cudaMemset(recs, 0x5a, bytes));
+    auto report = [&](const char* name, float ms) {
+      std::printf("b%d %-30s %8.1f us %8.0f GB/s\n", batch, name, ms * 1e3f, double(bytes) / (ms * 1e-3) / 1e9);
     };
-    run_smem(chunk_smem<0, 2>, 2, "chunk-cpasync");
-    run_smem(chunk_smem<1, 2>, 2, "chunk-tma");
-    run_smem(chunk_smem<2, 2>, 2, "chunk-tma8");
-    run_smem(chunk_smem<0, 3>, 3, "chunk-cpasync");
-    run_smem(chunk_smem<2, 3>, 3, "chunk-tma8");
-    run_smem(chunk_smem<2, 4>, 4, "chunk-tma8");
+    report("linear-ldg", time_median([&] { linear_ldg<<<n_sm * 8, 256>>>(reinterpret_cast<const uint4*>(recs), bytes / 16, sink); },
+                                     fl));
+    for (int ctas_per_sm : {3, 4}) {
+      const int grid = n_sm * ctas_per_sm;
+      const int chunk = (n_rec + grid - 1) / grid / 32 * 32 + 32;
+      const int g = (n_rec + chunk - 1) / chunk;
+      char name[64];
+      std::snprintf(name, sizeof name, "chunk-ldg (%d CTAs)", g);
+      report(name, time_median([&] { chunk_ldg<<<g, 128>>>(recs, chunk, n_rec, sink); }, fl));
+      auto run_smem = [&](auto kern, int stages, const char* what) {
+        const int smem = kWarps * stages * 8 * REC;
+        CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        int occ = 0;
+        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, 128, smem));
+        std::snprintf(name, sizeof name, "%s s%d (%d CTAs, %d/SM)", what, stages, g, occ);
+        report(name, time_median([&] { kern<<<g, 128, smem>>>(recs, chunk, n_rec, sink); }, fl));
+      };
+      run_smem(chunk_smem<0, 2>, 2, "chunk-cpasync");
+      run_smem(chunk_smem<0, 3>, 3, "chunk-cpasync");
+      run_smem(chunk_smem<2, 2>, 2, "chunk-tma8");
+    }
+    CK(cudaFree(recs));
   }
   return 0;
 }

@@ -2,6 +2,7 @@
 # Runs on the lent H200 from the repository root, with build-cuda/dist carried (scripts/cuda_dist.sh).
 #   scripts/cuda_device_run.sh STAGE...   stages: info tests memcheck racecheck bench1 sdpa1 bench sdpa ncu
 #                                          ncuscore ncusrc ab patterns sass
+# (env: AB, AB_BATCHES for ab; NCU_BATCHES for ncu; KERNEL, SKIP for ncusrc)
 # Logs and CSVs go to $OUT. Each stage has its own time limit so the whole call ends in time.
 set -u
 OUT=${OUT:-/tmp/locks-out}
@@ -55,8 +56,8 @@ for stage in "$@"; do
       NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       timeout 150 "$NCU" --clock-control none -k regex:'score_kernel|attention_kernel|select_kernel|share_hist' \
         -c 6 --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
-        "$DIST/bin/locks" bench --device cuda --contexts 1048576 --kv-heads 4 --group 8 --head-dim 128 --batches 1 --runs 1 \
-        > "$OUT/ncu.log" 2>&1; echo "ncu rc=$?"
+        "$DIST/bin/locks" bench --device cuda --contexts 1048576 --kv-heads 4 --group 8 --head-dim 128 \
+        --batches ${NCU_BATCHES:-1} --runs 1 > "$OUT/ncu.log" 2>&1; echo "ncu rc=$?"
       grep -E "^  [a-z_:<>0-9, ]*(score|attention|select|share)|DRAM Throughput|Memory Throughput|Duration|Compute \(SM\) Th|Issue Slots|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Grid Size" \
         "$OUT/ncu.log" | head -70 ;;
     ncuscore)  # stall reasons and hot spots of the score kernel (1M tokens, 4 KV heads, batch 1)
@@ -88,7 +89,9 @@ for stage in "$@"; do
           --batches 1 --runs 15 2>&1 | grep -E "^\| custom" | sed "s/^/$v kv4 /"
       done; done ;;
     patterns)  # read-bandwidth ceilings of the score pass's access pattern (bench/cuda_read_patterns.cu)
-      timeout 60 "$DIST/bin/read_patterns" 2>&1 | tee "$OUT/read_patterns.log" ;;
+      # L2 flushed by a read (as in bench), batch 1 and 8 sizes; then by a write (dirty L2), batch 1
+      (timeout 60 "$DIST/bin/read_patterns" read 1 8; timeout 30 "$DIST/bin/read_patterns" write 1) 2>&1 \
+        | tee "$OUT/read_patterns.log" ;;
     sass)  # SASS of the score kernel, for instruction counts
       CUOBJ=$(command -v cuobjdump || ls /usr/local/cuda*/bin/cuobjdump 2>/dev/null | head -1)
       "$CUOBJ" -sass "$DIST/bin/locks" | awk '/Function : .*score_kernel/ {on=1} /Function : / && !/score_kernel/ {on=0} on' \
