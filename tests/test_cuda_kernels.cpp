@@ -769,6 +769,22 @@ TEST(CudaScore, LongItemsCycleTheRing) {
     }
 }
 
+// 32-page chunks over a 4500-page sequence: 141 chunks per (sequence, head), so the last CTA of each
+// merges its chunk statistics in more than one round (128 chunks are loaded at once, the rest by a
+// loop), and lse_total must still match the CPU.
+TEST(CudaScore, ManyChunksMergeInMoreThanOneRound) {
+  SKIP_WITHOUT_CUDA();
+  for (int G : {4, 16}) {
+    World w(128, 2, G, {16 * 4500 + 3, 16 * 40}, lc::KvType::kF16, 900 + G, false);
+    Summaries s(w);
+    const auto q = w.queries(17 + G);
+    const ScoreOut g = run_score(w, s.records, q, 32, 0);
+    const auto ref = cpu_log_mass(w, s.store, q, g.stride);
+    const double worst = check_scores(w, g, ref, "score (many chunks)");
+    std::printf("[ score many chunks G=%d ] max |gpu - cpu| = %.2e\n", G, worst);
+  }
+}
+
 // Queries 300x larger: a page's token logits then lie hundreds of nats from its centroid logit, past
 // exp2's range, so the score kernel must take its max-shifted path for those octets (Eq. 4 is still
 // exact in float64 on the CPU).

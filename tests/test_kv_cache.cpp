@@ -314,3 +314,27 @@ TEST(KvCache, LargePoolIsCheapUntilUsed) {
   cache.append_tokens(s, 17);
   EXPECT_EQ(cache.bytes_in_use(), size_t(2) * 2 * 8 * 8 * 16 * 128 * 2);  // 2 pages, K+V, 8 layers, 8 heads
 }
+
+// A pool whose address space the system refuses gets an error naming its size, not std::bad_alloc.
+// 2^31 - 1 pages of 8 layers x 8 heads x 16 x 128 f16, K and V: 1 PiB. Linux's default heuristic
+// overcommit (vm.overcommit_memory = 0) refuses a single mapping beyond RAM + swap; ASan's allocator
+// would abort on it instead of returning null, so the sanitizer build skips.
+TEST(KvCache, UnreservablePoolNamesItsSize) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "ASan aborts on allocations beyond its limit instead of returning null";
+#endif
+  int mode = -1;
+  if (std::FILE* f = std::fopen("/proc/sys/vm/overcommit_memory", "r")) {
+    if (std::fscanf(f, "%d", &mode) != 1) mode = -1;
+    std::fclose(f);
+  }
+  if (mode != 0 && mode != 2) GTEST_SKIP() << "vm.overcommit_memory is " << mode << ": the mapping may be granted";
+  try {
+    PagedKvCache cache(small_cfg(std::numeric_limits<int>::max(), KvDtype::F16, 8, 8, 128));
+    FAIL() << "a 1 PiB pool was reserved";
+  } catch (const std::runtime_error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("address space"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("1048576.0 GiB"), std::string::npos) << msg;  // 2 * (2^31 - 1) * 8 * 8 * 16 * 128 * 2 bytes
+  }
+}

@@ -48,7 +48,7 @@ inline int page_tokens(const KvSequence& seq, int j, int page_size) {
 class PagedKvCache {
  public:
   /// Throws std::invalid_argument on non-positive sizes or a pool whose byte size overflows, and
-  /// std::bad_alloc when the system refuses even the pool's address space.
+  /// std::runtime_error naming the size when the system refuses even the pool's address space.
   explicit PagedKvCache(const KvCacheConfig& cfg);
 
   const KvCacheConfig& config() const { return cfg_; }

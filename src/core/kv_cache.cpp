@@ -63,8 +63,16 @@ PagedKvCache::PagedKvCache(const KvCacheConfig& cfg) : cfg_(cfg) {
   if (bytes > 0.5 * double(std::numeric_limits<size_t>::max()))
     throw std::invalid_argument("KV cache config: pool size overflows");
   const size_t n = static_cast<size_t>(bytes / 2);
-  k_ = ZeroedArray<uint8_t>(n);
-  v_ = ZeroedArray<uint8_t>(n);
+  try {
+    k_ = ZeroedArray<uint8_t>(n);
+    v_ = ZeroedArray<uint8_t>(n);
+  } catch (const std::bad_alloc&) {
+    // The pool is committed only as pages fill, but the system can still refuse the address space.
+    throw std::runtime_error(fmt::format(
+        "KV cache: the system refuses to reserve {:.1f} GiB of address space for {} pages of K and V "
+        "({} tokens of context, committed only as pages fill); use less context",
+        bytes / double(1 << 30), cfg.n_pages, int64_t(cfg.n_pages) * cfg.page_size));
+  }
   free_.resize(cfg.n_pages);
   for (int i = 0; i < cfg.n_pages; ++i) free_[i] = cfg.n_pages - 1 - i;
 }

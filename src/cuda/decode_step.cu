@@ -88,13 +88,14 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device) {
   const int max_splits = attention_max_splits();
 
   // Score pass: persistent CTAs over work items of a multiple of 32 pages (4 warps x 8 pages), sized
-  // so that every CTA gets at most one item: a CTA's second item would start with an empty pipeline
-  // and wait a full (loaded) memory latency, which costs far more than an idle CTA (measured on the
-  // H200 at 1M tokens, 4 KV heads: 256-page items, ~2 per CTA: 91 us; 512-page items, one per CTA: 88 us).
-  // Every (sequence, KV head) gets the same number of chunks, as many as fit in one wave, so the
-  // chunks are equal up to the 32-page rounding (before: chunks sized from the total, whose last
-  // chunk per pair was short: at 1M tokens, 4 KV heads, batch 8, 11 chunks of 5792 pages and one of
-  // 1824, where 12 of 5472 do).
+  // so that every CTA gets at most one item while batch * n_head_kv fits in one wave (beyond that,
+  // one item per (sequence, KV head), walked round-robin): a CTA's second item would start with an
+  // empty pipeline and wait a full (loaded) memory latency, which costs far more than an idle CTA
+  // (measured on the H200 at 1M tokens, 4 KV heads: 256-page items, ~2 per CTA: 91 us; 512-page
+  // items, one per CTA: 88 us). Every (sequence, KV head) gets the same number of chunks, as many as
+  // fit in one wave, so the chunks are equal up to the 32-page rounding (before: chunks sized from the
+  // total, whose last chunk per pair was short: at 1M tokens, 4 KV heads, batch 8, 11 chunks of 5792
+  // pages and one of 1824, where 12 of 5472 do: score 481 -> 465 us).
   const int score_resident = p.n_sm * score_ctas_per_sm(sh.head_dim, sh.group);
   const long chunks_per_bh = std::max<long>(1, score_resident / bh);
   p.score_chunk_pages = std::max(32, int(align_up(size_t(div_up(long(sh.max_pages), chunks_per_bh)), 32)));

@@ -189,6 +189,9 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
   if (kRing && threadIdx.x < R) {
     mbar_init(full_s + 8 * threadIdx.x, 1);
     slot_use[threadIdx.x] = ~0u;
+    // The bulk copies complete bytes on these barriers through the async proxy: make the
+    // initialisation visible to it.
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
   uint32_t uses = 0;  // octets this CTA has put through the ring: octet i of an item is use uses + i
@@ -236,9 +239,9 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
     const int32_t* idx = p.kv.indices + pbeg;
     const int oct_begin = c * (p.chunk_pages / 8);
     const int n_oct = min(oct_begin + p.chunk_pages / 8, (n_scored + 7) / 8) - oct_begin;
-    // A page id outside the pool is read as a zero record and makes the sequence's lse_total NaN. It is
-    // checked where the copy is issued, long after its load (a check at the load stalled every octet
-    // on it: 1M kv4 score 70 -> 77 us).
+    // A page id outside the pool is never read (G <= 8: not copied; G > 8: a zero record) and makes the
+    // sequence's lse_total NaN. It is checked where the copy is issued, long after its load (a check at
+    // the load stalled every octet on it: 1M kv4 score 70 -> 77 us).
     bool bad_id = false;
     auto load_ids = [&](int i) -> int32_t {  // lane p < 8: page id of page p of octet i (0 past the end)
       const int pos = (oct_begin + i) * 8 + (lane & 7);
@@ -648,7 +651,7 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
     if constexpr (!kRing) cp_async_wait<0>();
     uses += uint32_t(max(n_oct, 0));
 
-    // Chunk statistics: quad -> warp -> CTA, plus the exact page in CTA 0.
+    // Chunk statistics: quad -> warp -> CTA, plus the exact page in the last chunk's CTA.
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       float m = run_m[r], l = run_l[r];
@@ -753,7 +756,7 @@ cudaError_t launch_score(const ScoreParams& p, cudaStream_t stream) {
   return cudaLaunchKernelEx(&cfg, score_kernel<D, GT, MB>, p);
 }
 
-// G <= 8 runs 3 CTAs per SM (146 registers, no spills): measured on the H200 at 1M tokens, 4 KV
+// G <= 8 runs 3 CTAs per SM (162 registers, no spills): measured on the H200 at 1M tokens, 4 KV
 // heads, faster than 4 CTAs capped at 128 registers (84 vs 88 us), which spill. G > 8 needs ~230.
 template <int D>
 int ctas_per_sm_for(int group) {

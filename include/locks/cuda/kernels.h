@@ -102,9 +102,10 @@ cudaError_t summary_build(const SummaryBuildParams& p, cudaStream_t stream);
 /// lse_total[b][h][g] = logsumexp_j log_mass[b][h][g][j] (-inf for a sequence without pages).
 /// Launch contract: `grid` persistent CTAs of 128 threads walk the work items (b, h, chunk c)
 /// round-robin; an item scores positions [c * chunk_pages, (c + 1) * chunk_pages), each warp 8 pages
-/// (an octet) at a time (int8 tensor cores: Q x basis, Q x centroid; f16: W x coefficients). Records
-/// arrive by cp.async: G <= 8 through a ring of octet slots shared by the CTA's warps (10 slots,
-/// 66.6 KB of shared memory at d 128, 3 CTAs/SM), G > 8 through two stages per warp (53 KB, 2 CTAs/SM).
+/// (an octet) at a time (int8 tensor cores: Q x basis, Q x centroid; f16: W x coefficients). G <= 8:
+/// records arrive by one bulk copy (TMA) each into a ring of octet slots shared by the CTA's warps
+/// (10 slots, 66.6 KB of shared memory at d 128, 3 CTAs/SM); G > 8: by cp.async into two stages per
+/// warp (53 KB, 2 CTAs/SM). Records must be 16-byte aligned (record_bytes is a multiple of 16).
 /// Each item writes its chunk's
 /// (max, sum) and the last item of (b, h) merges them. counters has batch * n_head_kv + 2 entries
 /// (the last two reserved), zero before the first launch and left zero afterwards.
@@ -125,7 +126,8 @@ struct ScoreParams {
   int grid = 0;                  // persistent CTAs; 0: enough to fill the device
   bool pdl = false;              // launch with programmatic dependent launch
   /// Nullable. Bad input (see the top of this file): page count above log_mass_stride, last_page_len
-  /// outside 1..16, a page id outside [0, n_pages_pool) (read as a zero record) -> lse_total NaN.
+  /// outside 1..16, a page id outside [0, n_pages_pool) (never read) -> lse_total NaN; that
+  /// sequence's log_mass values are then unspecified.
   uint32_t* status = nullptr;
 };
 /// Counters a ScoreParams needs (batch * n_head_kv + 2).
