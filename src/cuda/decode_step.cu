@@ -116,8 +116,8 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device) {
         long(p.n_sm) * attention_ctas_per_sm(sh.head_dim, sh.group, sh.dtype, true) / (p.sparse_group_halves ? 2 : 1);
     const int want = std::max(1, int(sparse_slots / bh));
     // At least 8 pages per split (2 per warp); 4 for group halves, whose CTAs run half the MMA chain
-    // per page (H200, kv2 G = 16, batch 1: sparse attention 14.6 -> 12.9 us at 1M and 128K; G <= 8 at 4
-    // was no faster).
+    // per page (H200, kv2 G = 16, batch 1: sparse attention 14.5 -> 12.9 us at 1M and 128K; G <= 8 at 4
+    // was not clearly faster).
     const int min_pps = p.sparse_group_halves ? 4 : 8;
     int pps = std::max(min_pps, int(align_up(size_t(div_up(sel, want)), 4)));
     pps = std::max(pps, div_up(sel, max_splits));
