@@ -147,15 +147,9 @@ __global__ void __launch_bounds__(128) chunk_smem(const uint8_t* recs, int chunk
   if (acc == 0x9e3779b9u) sink[0] = acc;
 }
 
-// The L2 flush before each timed run: a 256 MiB read (as `locks bench --device cuda` and
-// scripts/bench_sdpa.py do) or a 256 MiB write, which leaves the L2 full of dirty lines that the
-// timed read must first write back.
-__global__ void flush_read(const uint4* p, size_t n16, uint32_t* sink) {
-  uint32_t acc = 0;
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n16; i += size_t(gridDim.x) * blockDim.x)
-    acc ^= __ldcg(p + i).x;
-  if (acc == 0x9e3779b9u) sink[1] = acc;
-}
+// The L2 flush before each timed run: a 256 MiB read by linear_ldg (the kernel `locks bench --device
+// cuda` flushes with; scripts/bench_sdpa.py also reads) or a 256 MiB write, which leaves the L2 full
+// of dirty lines that the timed read must first write back.
 __global__ void flush_write(uint4* p, size_t n16) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n16; i += size_t(gridDim.x) * blockDim.x)
     p[i] = make_uint4(uint32_t(i), 0, 0, 0);
@@ -166,11 +160,12 @@ struct Flush {
   size_t n16;
   uint32_t* sink;
   bool write;
+  int n_sm;
   void run() const {
     if (write)
       flush_write<<<1024, 256>>>(buf, n16);
     else
-      flush_read<<<1024, 256>>>(buf, n16, sink);
+      linear_ldg<<<n_sm * 8, 512>>>(buf, n16, sink + 1);
   }
 };
 
@@ -204,7 +199,7 @@ int main(int argc, char** argv) {
   int n_sm = 0;
   CK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, 0));
   const size_t fl_bytes = size_t(256) << 20;
-  Flush fl{nullptr, fl_bytes / 16, nullptr, write_flush};
+  Flush fl{nullptr, fl_bytes / 16, nullptr, write_flush, n_sm};
   CK(cudaMalloc(&fl.buf, fl_bytes));
   CK(cudaMemset(fl.buf, 1, fl_bytes));
   uint32_t* sink;
