@@ -207,9 +207,49 @@ template <class T>
 T* at(void* ws, size_t off) {
   return reinterpret_cast<T*>(static_cast<char*>(ws) + off);
 }
+}  // namespace
 
-// The attention launch of a step (sparse: the plan's sparse splits, without the selection, which
-// the caller fills in; dense: every page).
+ScoreParams step_score_params(const DecodePlan& plan, const DecodeStepParams& p) {
+  ScoreParams sp;
+  sp.q = p.q;
+  sp.kv = p.kv;
+  sp.summaries = p.summaries;
+  sp.n_pages_pool = p.n_pages_pool;
+  sp.group = plan.shape.group;
+  sp.scale = p.scale;
+  sp.chunk_pages = plan.score_chunk_pages;
+  sp.n_chunks = plan.score_chunks;
+  sp.log_mass = at<float>(p.workspace, plan.off_log_mass);
+  sp.log_mass_stride = plan.log_mass_stride;
+  sp.lse_total = at<float>(p.workspace, plan.off_lse_total);
+  sp.chunk_stats = at<float>(p.workspace, plan.off_chunk_stats);
+  sp.counters = at<uint32_t>(p.workspace, plan.off_counters);
+  sp.grid = plan.score_grid;
+  sp.pdl = plan.pdl;
+  sp.status = at<uint32_t>(p.workspace, plan.off_status);
+  return sp;
+}
+
+SelectParams step_select_params(const DecodePlan& plan, const DecodeStepParams& p) {
+  const DecodeShape& sh = plan.shape;
+  SelectParams se;
+  se.batch = sh.batch;
+  se.n_head_kv = sh.n_head_kv;
+  se.group = sh.group;
+  se.indptr = p.kv.indptr;
+  se.log_mass = at<float>(p.workspace, plan.off_log_mass);
+  se.log_mass_stride = plan.log_mass_stride;
+  se.lse_total = at<float>(p.workspace, plan.off_lse_total);
+  se.budget_pages = sh.budget_pages;
+  se.keys = at<uint32_t>(p.workspace, plan.off_keys);
+  se.hist = at<uint32_t>(p.workspace, plan.off_hist);
+  se.selected = at<int32_t>(p.workspace, plan.off_selected);
+  se.n_selected = at<int32_t>(p.workspace, plan.off_n_selected);
+  se.pdl = plan.pdl;
+  return se;
+}
+
+// Sparse: the plan's sparse splits over the selection; dense: every page.
 AttentionParams step_attention_params(const DecodePlan& plan, const DecodeStepParams& p, bool sparse) {
   AttentionParams ap;
   ap.q = p.q;
@@ -227,57 +267,20 @@ AttentionParams step_attention_params(const DecodePlan& plan, const DecodeStepPa
   ap.counters = at<uint32_t>(p.workspace, sparse ? plan.off_counters_sparse : plan.off_counters_dense);
   ap.pdl = plan.pdl;
   ap.group_halves = sparse && plan.sparse_group_halves;
+  if (sparse) {
+    ap.selected = at<int32_t>(p.workspace, plan.off_selected);
+    ap.n_selected = at<int32_t>(p.workspace, plan.off_n_selected);
+    ap.selected_stride = plan.shape.budget_pages;
+    ap.pdl_early_reads = plan.pdl;  // its predecessor is select_pages, which writes only the selection
+  }
   return ap;
 }
-}  // namespace
 
 cudaError_t locks_decode_step(const DecodePlan& plan, const DecodeStepParams& p, cudaStream_t stream) {
-  const DecodeShape& sh = plan.shape;
-  uint32_t* counters = at<uint32_t>(p.workspace, plan.off_counters);
-
-  ScoreParams sp;
-  sp.q = p.q;
-  sp.kv = p.kv;
-  sp.summaries = p.summaries;
-  sp.n_pages_pool = p.n_pages_pool;
-  sp.group = sh.group;
-  sp.scale = p.scale;
-  sp.chunk_pages = plan.score_chunk_pages;
-  sp.n_chunks = plan.score_chunks;
-  sp.log_mass = at<float>(p.workspace, plan.off_log_mass);
-  sp.log_mass_stride = plan.log_mass_stride;
-  sp.lse_total = at<float>(p.workspace, plan.off_lse_total);
-  sp.chunk_stats = at<float>(p.workspace, plan.off_chunk_stats);
-  sp.counters = counters;
-  sp.grid = plan.score_grid;
-  sp.pdl = plan.pdl;
-  sp.status = at<uint32_t>(p.workspace, plan.off_status);
-  cudaError_t e = score_pages(sp, stream);
-  if (e != cudaSuccess) return e;
-
-  SelectParams se;
-  se.batch = sh.batch;
-  se.n_head_kv = sh.n_head_kv;
-  se.group = sh.group;
-  se.indptr = p.kv.indptr;
-  se.log_mass = sp.log_mass;
-  se.log_mass_stride = plan.log_mass_stride;
-  se.lse_total = sp.lse_total;
-  se.budget_pages = sh.budget_pages;
-  se.keys = at<uint32_t>(p.workspace, plan.off_keys);
-  se.hist = at<uint32_t>(p.workspace, plan.off_hist);
-  se.selected = at<int32_t>(p.workspace, plan.off_selected);
-  se.n_selected = at<int32_t>(p.workspace, plan.off_n_selected);
-  se.pdl = plan.pdl;
-  e = select_pages(se, stream);
-  if (e != cudaSuccess) return e;
-
-  AttentionParams ap = step_attention_params(plan, p, /*sparse=*/true);
-  ap.selected = se.selected;
-  ap.n_selected = se.n_selected;
-  ap.selected_stride = sh.budget_pages;
-  ap.pdl_early_reads = plan.pdl;  // its predecessor is select_pages, which writes only the selection
-  return paged_decode_attention(ap, stream);
+  cudaError_t e = score_pages(step_score_params(plan, p), stream);
+  if (e == cudaSuccess) e = select_pages(step_select_params(plan, p), stream);
+  if (e == cudaSuccess) e = paged_decode_attention(step_attention_params(plan, p, /*sparse=*/true), stream);
+  return e;
 }
 
 cudaError_t dense_decode_step(const DecodePlan& plan, const DecodeStepParams& p, cudaStream_t stream) {

@@ -170,9 +170,7 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
   extern __shared__ __align__(16) uint8_t ring[];        // [R][8][REC]; private stages: slot 2 warp + (k & 1)
   __shared__ __align__(8) uint64_t full[kRing ? R : 1];  // ring: slot barriers
   __shared__ uint32_t slot_use[kRing ? R : 1];           // ring: the use whose copy was issued last per slot
-  __shared__ float q_s[GT][D];
-  __shared__ float q_mul[GT];   // 127 / max|q_g|
-  __shared__ int q_sum[GT][2];  // sum_x limb_l[g][x]
+  __shared__ float q_s[GT][D];  // the partial page's exact scores only
   __shared__ float ex_logit[GT][16];
   __shared__ float ex_s2[GT];
   __shared__ float warp_m[kWarps][GT], warp_l[kWarps][GT];
@@ -280,16 +278,18 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
       }
       if constexpr (!kRing) cp_async_commit();  // empty past the end: wait_group<1> then still waits for this octet
     };
-    // q's loads go out first, so that their latency overlaps the page ids' and the records'.
+    // q's loads go out first, so that their latency overlaps the page ids' and the records'. Lane
+    // 4g+t quantizes dims [t*D/4, (t+1)*D/4) of head rows g (and g+8): the dims of its own A fragments.
     const bool new_q = long(bh) != cur_bh;
-    constexpr int QE = GT * D / kThreads;
-    float qv[QE];
+    constexpr int QL = D / 4;  // dims per lane and row
+    float4 qv[ROWS][QL / 4];
     if (new_q) {
-      const float* qg = p.q + bh * G * D;
 #pragma unroll
-      for (int i = 0; i < QE; ++i) {
-        const int e = int(threadIdx.x) + i * kThreads;
-        qv[i] = (e / D) < G ? qg[e] : 0.0f;
+      for (int r = 0; r < ROWS; ++r) {
+        const int row = g + 8 * r;
+        const float4* src = reinterpret_cast<const float4*>(p.q + (bh * G + row) * D + t * QL);
+#pragma unroll
+        for (int i = 0; i < QL / 4; ++i) qv[r][i] = row < G ? __ldg(src + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       }
     }
     constexpr int kAhead = kRing ? R : kWarps;  // octet i's copy is issued with octet i - kAhead's compute
@@ -306,43 +306,12 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
     }
     int32_t ids_next = load_ids(warp + kAhead), ids_after = load_ids(warp + kWarps + kAhead);
 
-    if (new_q) {
-      // ---- q of the group -> int8 limbs (A fragments) and per-head constants. ----
-#pragma unroll
-      for (int i = 0; i < QE; ++i) {
-        const int e = int(threadIdx.x) + i * kThreads;
-        q_s[e / D][e % D] = qv[i];
-      }
-      __syncthreads();
-      for (int r = warp; r < GT; r += kWarps) {
-        float amax = 0.0f;
-        for (int x = lane; x < D; x += 32) amax = fmaxf(amax, fabsf(q_s[r][x]));
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, off));
-        const float mul = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int s0 = 0, s1 = 0;
-        for (int x = lane; x < D; x += 32) {
-          const float v = q_s[r][x] * mul;
-          const float l0 = rintf(v);
-          s0 += int(l0);
-          s1 += int(rintf((v - l0) * 254.0f));
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
-          s0 += __shfl_xor_sync(kFull, s0, off);
-          s1 += __shfl_xor_sync(kFull, s1, off);
-        }
-        if (lane == 0) {
-          q_mul[r] = mul;
-          q_sum[r][0] = s0;
-          q_sum[r][1] = s1;
-        }
-      }
-    }
     // The partial recent page: exact log-mass from its keys (CPU: exact_log_mass), by the CTA of the
     // last chunk, the shortest, so that no CTA with a full chunk waits for it.
     const bool do_exact = partial && c == active - 1;
     if (do_exact) {
+      for (int e = threadIdx.x; e < GT * D; e += kThreads) q_s[e / D][e % D] = e / D < G ? p.q[bh * G * D + e] : 0.0f;
+      __syncthreads();
       int32_t id = idx[n_pages - 1];
       if (!page_id_ok(id, p.n_pages_pool)) {
         bad_id = true;  // its keys are not read (page 0's are instead)
@@ -384,56 +353,58 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
 
     if (new_q) {
       cur_bh = long(bh);
-      // A fragments. Limb packs per row r and dims set (A: +{0,2,4,6}, B: +{1,3,5,7}).
-      {
-        const int base = t * (D / 4);
-        auto pack_row = [&](int r, int x0, uint32_t(&p0)[2], uint32_t(&p1)[2]) {
+      // ---- q of the group -> int8 limbs (A fragments) and per-row constants, all in registers: the
+      // quad of lanes 4g..4g+3 holds row g whole (H200, 1M tokens, 4 KV heads, batch 1: the version
+      // through shared memory, with a warp per row and three barriers, cost ~4 us of the pass). ----
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        float amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < QL / 4; ++i)
+          amax = fmaxf(fmaxf(amax, fmaxf(fabsf(qv[r][i].x), fabsf(qv[r][i].y))),
+                       fmaxf(fabsf(qv[r][i].z), fabsf(qv[r][i].w)));
+        amax = quad_max(amax);
+        const float mul = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int s0 = 0, s1 = 0;
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) {  // dims t*QL + 8kk + j, j < 8
           int l[2][8];
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
-            const float v = q_s[r][x0 + j] * q_mul[r];
+            const float4 v4 = qv[r][(8 * kk + j) / 4];
+            const float v = ((j & 3) == 0 ? v4.x : (j & 3) == 1 ? v4.y : (j & 3) == 2 ? v4.z : v4.w) * mul;
             const float f0 = rintf(v);
             l[0][j] = int(f0);
             l[1][j] = int(rintf((v - f0) * 254.0f));
+            s0 += l[0][j];
+            s1 += l[1][j];
           }
-#pragma unroll
-          for (int m = 0; m < 2; ++m) {
-            uint32_t(&dst)[2] = m == 0 ? p0 : p1;
-            dst[0] = pack_s8x4(l[m][0], l[m][2], l[m][4], l[m][6]);
-            dst[1] = pack_s8x4(l[m][1], l[m][3], l[m][5], l[m][7]);
-          }
-        };
-#pragma unroll
-        for (int kk = 0; kk < KS; ++kk) {
-          const int x0 = base + 8 * kk;
-          uint32_t r0[2][2];
-          pack_row(g, x0, r0[0], r0[1]);
+          // Limb packs (A: dims +{0,2,4,6}, B: +{1,3,5,7}); G <= 8: rows 0..7 limb 0, rows 8..15
+          // limb 1; G > 8: limb 0 in aq, limb 1 in aq2, rows g and g+8.
+          const uint32_t a0 = pack_s8x4(l[0][0], l[0][2], l[0][4], l[0][6]);
+          const uint32_t b0 = pack_s8x4(l[0][1], l[0][3], l[0][5], l[0][7]);
+          const uint32_t a1 = pack_s8x4(l[1][0], l[1][2], l[1][4], l[1][6]);
+          const uint32_t b1 = pack_s8x4(l[1][1], l[1][3], l[1][5], l[1][7]);
           if constexpr (ROWS == 1) {
-            aq[kk][0] = r0[0][0];
-            aq[kk][1] = r0[1][0];
-            aq[kk][2] = r0[0][1];
-            aq[kk][3] = r0[1][1];
+            aq[kk][0] = a0;
+            aq[kk][1] = a1;
+            aq[kk][2] = b0;
+            aq[kk][3] = b1;
           } else {
-            uint32_t r1[2][2];
-            pack_row(g + 8, x0, r1[0], r1[1]);
-            aq[kk][0] = r0[0][0];
-            aq[kk][1] = r1[0][0];
-            aq[kk][2] = r0[0][1];
-            aq[kk][3] = r1[0][1];
-            aq2[kk][0] = r0[1][0];
-            aq2[kk][1] = r1[1][0];
-            aq2[kk][2] = r0[1][1];
-            aq2[kk][3] = r1[1][1];
+            aq[kk][r] = a0;
+            aq[kk][2 + r] = b0;
+            aq2[kk][r] = a1;
+            aq2[kk][2 + r] = b1;
           }
         }
-      }
-      // Per row: offset corrections (8 * limb sums, in the combined int forms) and the logit factor.
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        const int row = g + 8 * r;
-        off0[r] = 8 * q_sum[row][0];
-        off1[r] = 8 * q_sum[row][1];
-        kq[r] = q_mul[row] > 0.0f ? p.scale * kLog2e / (254.0f * q_mul[row]) : 0.0f;
+        // Offset corrections (8 * limb sums over the row, in the combined int forms) and the logit factor.
+        s0 += __shfl_xor_sync(kFull, s0, 1);
+        s1 += __shfl_xor_sync(kFull, s1, 1);
+        s0 += __shfl_xor_sync(kFull, s0, 2);
+        s1 += __shfl_xor_sync(kFull, s1, 2);
+        off0[r] = 8 * s0;
+        off1[r] = 8 * s1;
+        kq[r] = mul > 0.0f ? p.scale * kLog2e / (254.0f * mul) : 0.0f;
       }
     }
 

@@ -254,6 +254,12 @@ struct DecodeStepParams {
 cudaError_t locks_decode_step(const DecodePlan& plan, const DecodeStepParams& p, cudaStream_t stream);
 /// Dense step over every page (same kernel, more splits).
 cudaError_t dense_decode_step(const DecodePlan& plan, const DecodeStepParams& p, cudaStream_t stream);
+/// The launches a step makes, one by one (for benchmarks that time them apart): the parameters
+/// locks_decode_step passes to score_pages, select_pages and (sparse) paged_decode_attention, and
+/// dense_decode_step to paged_decode_attention.
+ScoreParams step_score_params(const DecodePlan& plan, const DecodeStepParams& p);
+SelectParams step_select_params(const DecodePlan& plan, const DecodeStepParams& p);
+AttentionParams step_attention_params(const DecodePlan& plan, const DecodeStepParams& p, bool sparse);
 
 /// The workspace's status word (DecodeStatus bits, set by any step since the last clear), copied to
 /// the host: synchronises `stream`. With clear, resets it to 0 (also stream-ordered).
