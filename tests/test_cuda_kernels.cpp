@@ -370,15 +370,17 @@ double lse_of(const float* x, int n) {
 }
 
 struct ScoreOut {
-  std::vector<float> log_mass, lse_total;
-  int stride = 0;
+  std::vector<float> log_mass, lse_total, chunk_stats;
+  int stride = 0, n_chunks = 0;
 };
 
+// defer: ScoreParams::defer_lse_total (lse_total left to select_pages; chunk_stats returned).
 ScoreOut run_score(const World& w, const std::vector<uint8_t>& records, const std::vector<float>& q, int chunk_pages,
-                   int grid = 0) {
+                   int grid = 0, bool defer = false) {
   ScoreOut out;
   out.stride = (w.max_pages + 7) / 8 * 8;
   const int n_chunks = std::max(1, (w.max_pages + chunk_pages - 1) / chunk_pages);
+  out.n_chunks = n_chunks;
   Dev<uint8_t> drec(records);
   Dev<float> dq(q), dlm(size_t(w.B()) * w.H * w.G * out.stride), dlse(size_t(w.B()) * w.H * w.G),
       dstats(size_t(w.B()) * w.H * n_chunks * 32);
@@ -402,10 +404,12 @@ ScoreOut run_score(const World& w, const std::vector<uint8_t>& records, const st
   p.counters = dcnt.p;
   p.grid = grid;
   p.pdl = true;
+  p.defer_lse_total = defer;
   ck(lc::score_pages(p, nullptr), "score_pages");
   dev_sync();
   out.log_mass = dlm.down();
   out.lse_total = dlse.down();
+  out.chunk_stats = dstats.down();
   const auto cnt = dcnt.down();
   for (uint32_t c : cnt) EXPECT_EQ(c, 0u) << "score counters must be left at zero";
   return out;
@@ -445,13 +449,16 @@ double check_scores(const World& w, const ScoreOut& g, const std::vector<float>&
 
 struct SelectOut {
   std::vector<int32_t> sel, n_sel;
-  std::vector<float> shares;
+  std::vector<float> shares, lse_total;
 };
 
+// chunk_stats (with n_chunks): the score pass's deferred statistics, merged into lse_total here.
 SelectOut run_select(int B, int H, int G, const std::vector<int32_t>& indptr, const std::vector<float>& lm,
-                     const std::vector<float>& lse_total, int stride, int k) {
+                     const std::vector<float>& lse_total, int stride, int k,
+                     const std::vector<float>* chunk_stats = nullptr, int n_chunks = 0) {
   Dev<int32_t> dindptr(indptr), dsel(size_t(B) * H * k), dn(size_t(B) * H);
   Dev<float> dlm(lm), dlse(lse_total), dsh(size_t(B) * H * stride);
+  Dev<float> dstats(chunk_stats ? *chunk_stats : std::vector<float>{});
   Dev<uint32_t> dkeys(size_t(B) * H * stride), dhist(size_t(B) * H * lc::kHistBins);
   dhist.fill_bytes(0);
   dsel.fill_bytes(0xff);
@@ -470,9 +477,13 @@ SelectOut run_select(int B, int H, int G, const std::vector<int32_t>& indptr, co
   p.n_selected = dn.p;
   p.shares = dsh.p;
   p.pdl = true;
+  if (chunk_stats) {
+    p.chunk_stats = dstats.p;
+    p.n_chunks = n_chunks;
+  }
   ck(lc::select_pages(p, nullptr), "select_pages");
   dev_sync();
-  SelectOut o{dsel.down(), dn.down(), dsh.down()};
+  SelectOut o{dsel.down(), dn.down(), dsh.down(), dlse.down()};
   const auto hist = dhist.down();
   for (uint32_t c : hist) EXPECT_EQ(c, 0u) << "select histograms must be left at zero";
   return o;
@@ -888,6 +899,37 @@ TEST(CudaSelect, BudgetCoveringTheSequenceSelectsEveryPage) {
     const int n = indptr[b + 1] - indptr[b];
     ASSERT_EQ(o.n_sel[b], n);
     for (int j = 0; j < n; ++j) EXPECT_EQ(o.sel[size_t(b) * k + j], j);
+  }
+}
+
+// The decode step's split of work (ScoreParams::defer_lse_total): the score pass writes every
+// chunk's statistics and leaves lse_total to the share kernel, whose CTAs merge them. lse_total must
+// equal the log-sum-exp of the pass's own log-masses (float64 here), the empty sequence keeps -inf,
+// and the selection must be the CPU's on those log-masses.
+TEST(CudaSelect, MergesTheScorePassDeferredStatistics) {
+  SKIP_WITHOUT_CUDA();
+  for (int G : {4, 16}) {
+    World w(128, 2, G, {16 * 700 + 5, 0, 16 * 90, 7}, lc::KvType::kF16, 1300 + G, false);
+    Summaries s(w);
+    const auto q = w.queries(23 + G);
+    const ScoreOut g = run_score(w, s.records, q, 32, 0, /*defer=*/true);  // 22 chunks, some empty
+    const int B = int(w.lengths.size()), k = 16;
+    std::vector<float> poison(g.lse_total);  // only the empty sequence's entries are written (-inf)
+    const SelectOut o = run_select(B, w.H, G, w.indptr, g.log_mass, poison, g.stride, k, &g.chunk_stats, g.n_chunks);
+    for (int b = 0; b < B; ++b)
+      for (int h = 0; h < w.H; ++h)
+        for (int gg = 0; gg < G; ++gg) {
+          const int n = w.indptr[b + 1] - w.indptr[b];
+          const size_t row = (size_t(b) * w.H + h) * G + gg;
+          const float got = o.lse_total[row];
+          if (n == 0) {
+            EXPECT_EQ(got, -INFINITY) << "empty sequence, b " << b;
+            continue;
+          }
+          const double ref = lse_of(&g.log_mass[row * g.stride], n);
+          EXPECT_NEAR(got, ref, 1e-4 + 1e-6 * std::abs(ref)) << "b " << b << " h " << h << " g " << gg;
+        }
+    check_selection(B, w.H, G, w.indptr, g.log_mass, g.stride, k, o, 1e-6, false);
   }
 }
 

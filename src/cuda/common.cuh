@@ -149,6 +149,14 @@ __device__ __forceinline__ bool last_cta_done(uint32_t* counter, uint32_t n_ctas
   return last;
 }
 
+// Combine two (max, sum-of-exp2) pairs; -inf maxima carry no mass.
+__device__ __forceinline__ void lse2_merge(float& m, float& l, float m2, float l2) {
+  const float mn = fmaxf(m, m2);
+  if (mn == -INFINITY) return;
+  l = (m == -INFINITY ? 0.0f : l * exp2f(m - mn)) + (m2 == -INFINITY ? 0.0f : l2 * exp2f(m2 - mn));
+  m = mn;
+}
+
 // Warp reductions over the 4 lanes of a quad (lanes 4g .. 4g+3).
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(kFull, x, 1));

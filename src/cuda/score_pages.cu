@@ -127,14 +127,6 @@ __device__ __forceinline__ uint32_t pack_s8x4(int a, int b, int c, int d) {
   return (uint32_t(a) & 0xffu) | ((uint32_t(b) & 0xffu) << 8) | ((uint32_t(c) & 0xffu) << 16) | (uint32_t(d) << 24);
 }
 
-// Combine two (max, sum-of-exp2) pairs; -inf maxima carry no mass.
-__device__ __forceinline__ void lse2_merge(float& m, float& l, float m2, float l2) {
-  const float mn = fmaxf(m, m2);
-  if (mn == -INFINITY) return;
-  l = (m == -INFINITY ? 0.0f : l * exp2f(m - mn)) + (m2 == -INFINITY ? 0.0f : l2 * exp2f(m2 - mn));
-  m = mn;
-}
-
 // Two octet pipelines, chosen by measurement on the H200 (1M tokens, 4 and 2 KV heads):
 //  - G <= 8 (memory-bound): a ring of octet slots shared by the CTA's warps, as many slots as fit
 //    beside the static shared memory at MB CTAs per SM (228 KB per SM, 1 KB reserved per CTA), at
@@ -218,15 +210,20 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
     const int n_pages = p.kv.indptr[b + 1] - pbeg;
     const int last_len = p.kv.last_page_len[b];
     const uint32_t fault = sequence_fault(n_pages, last_len, min(p.log_mass_stride, n_chunks * p.chunk_pages));
+    auto chunk_stat = [&](int r) -> float2& { return reinterpret_cast<float2*>(p.chunk_stats)[(bh * n_chunks + c) * 16 + r]; };
     if (fault || n_pages == 0) {  // bad input: NaN; an empty sequence: no shares to normalise
       if (c == 0 && int(threadIdx.x) < G) p.lse_total[bh * G + threadIdx.x] = fault ? NAN : -INFINITY;
       if (c == 0 && threadIdx.x == 0 && fault) raise_status(p.status, fault);
+      if (p.defer_lse_total && int(threadIdx.x) < G) chunk_stat(threadIdx.x) = fault ? make_float2(NAN, NAN) : make_float2(-INFINITY, 0.0f);
       continue;
     }
     const bool partial = last_len < kPageSize;
     const int n_scored = partial ? n_pages - 1 : n_pages;  // pages scored from summaries
     const int active = max(1, (n_scored + p.chunk_pages - 1) / p.chunk_pages);
-    if (c >= active) continue;
+    if (c >= active) {  // an empty chunk (deferred merge: it carries no mass)
+      if (p.defer_lse_total && int(threadIdx.x) < G) chunk_stat(threadIdx.x) = make_float2(-INFINITY, 0.0f);
+      continue;
+    }
 
     // ---- Octet i (of this item) is computed by warp i % 4. Ring: it goes to slot (uses + i) % R and
     // the warp refills that slot with octet i + R once done, so about R - 4 octets are in flight
@@ -643,10 +640,9 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
       float m = -INFINITY, l = 0.0f;
       for (int w = 0; w < kWarps; ++w) lse2_merge(m, l, warp_m[w][r], warp_l[w][r]);
       if (do_exact) lse2_merge(m, l, ex_s2[r], 1.0f);
-      reinterpret_cast<float2*>(p.chunk_stats)[(bh * n_chunks + c) * 16 + r] =
-          chunk_bad ? make_float2(NAN, NAN) : make_float2(m, l);
+      chunk_stat(r) = chunk_bad ? make_float2(NAN, NAN) : make_float2(m, l);
     }
-    if (!last_cta_done(p.counters + bh, uint32_t(active), &last_flag)) continue;
+    if (p.defer_lse_total || !last_cta_done(p.counters + bh, uint32_t(active), &last_flag)) continue;
 
     // Last CTA of (b, h): lse_total[g] = logsumexp over every page (the share normaliser, Eq. 5).
     // The statistics of all heads and (up to 128) chunks are loaded at once: this is the kernel's tail,

@@ -25,13 +25,17 @@ constexpr int kSelectThreads = 1024;
 constexpr int kCandCap = 4096;
 
 constexpr int kSharePages = 4;  // consecutive pages per thread (16-byte loads)
+constexpr int kStatChunks = 128;  // chunk statistics staged in shared memory per head
 
 // GT: the group size rounded up to 8 or 16, so that G <= 8 holds half the log-mass registers (48
-// instead of 80 registers: 5 instead of 3 CTAs per SM, more loads in flight).
-template <int GT>
+// instead of 80 registers: 5 instead of 3 CTAs per SM, more loads in flight). MERGE: lse_total from
+// the chunk statistics (p.chunk_stats), a separate instance because the merge costs registers (63
+// at G <= 8, 4 CTAs per SM: at batch 8, 1M tokens, 4 KV heads, select 34 -> 38 us).
+template <int GT, bool MERGE>
 __global__ void __launch_bounds__(kShareThreads) share_hist_kernel(SelectParams p) {
   __shared__ uint32_t hist[kHistBins];
   __shared__ float lse2[kMaxGroup];
+  __shared__ float2 stat_s[MERGE ? kStatChunks * GT : 1];  // [chunk][head]
   pdl_wait();
   pdl_launch_dependents();
   const int b = blockIdx.z, h = blockIdx.y;
@@ -53,7 +57,44 @@ __global__ void __launch_bounds__(kShareThreads) share_hist_kernel(SelectParams 
     lm[g] = g < p.group && j < n ? __ldcs(reinterpret_cast<const float4*>(col + size_t(g) * p.log_mass_stride))
                                  : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   for (int i = threadIdx.x; i < kHistBins; i += kShareThreads) hist[i] = 0;
-  if (threadIdx.x < p.group) lse2[threadIdx.x] = p.lse_total[bh * p.group + threadIdx.x] * kLog2e;
+  if constexpr (MERGE) {
+    // The normaliser from the score pass's chunk statistics, merged by every CTA: the first
+    // kStatChunks chunks of every head are copied to shared memory at once (cp.async: no registers
+    // held, in the round trip of the log-mass loads), then warp w merges heads w, w + 8. Chunk by
+    // chunk from registers, the merge cost 4 us at 1M tokens, 4 KV heads, batch 1. CTA 0 publishes
+    // the result as lse_total.
+    const int G = p.group, nc = min(p.n_chunks, kStatChunks);
+    const float2* cs = reinterpret_cast<const float2*>(p.chunk_stats) + bh * p.n_chunks * 16;
+    for (int e = threadIdx.x; e < nc * G; e += kShareThreads) {
+      const uint32_t dst = uint32_t(__cvta_generic_to_shared(&stat_s[e]));
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(cs + size_t(e / G) * 16 + e % G) : "memory");
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    __syncthreads();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int r = warp; r < G; r += kShareThreads / 32) {
+      float m = -INFINITY, l = 0.0f;
+      bool bad = false;  // a chunk saw bad input
+      for (int c = lane; c < p.n_chunks; c += 32) {
+        const float2 v = c < kStatChunks ? stat_s[c * G + r] : __ldcg(cs + size_t(c) * 16 + r);
+        bad |= isnan(v.y);
+        lse2_merge(m, l, v.x, v.y);
+      }
+      bad = __any_sync(kFull, bad);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(kFull, m, o), l2 = __shfl_xor_sync(kFull, l, o);
+        lse2_merge(m, l, m2, l2);
+      }
+      const float v = bad ? NAN : m == -INFINITY ? -INFINITY : m + log2f(l);
+      if (lane == 0) {
+        lse2[r] = v;
+        if (blockIdx.x == 0) p.lse_total[bh * G + r] = v * kLn2;
+      }
+    }
+  } else if (threadIdx.x < p.group) {
+    lse2[threadIdx.x] = p.lse_total[bh * p.group + threadIdx.x] * kLog2e;
+  }
   __syncthreads();
   if (isnan(lse2[0])) return;  // bad input (score_pages): no histogram; select_kernel gives n_selected = -1
   if (j < n) {
@@ -378,15 +419,17 @@ cudaError_t prepare_select(int log_mass_stride) { return set_select_smem(select_
 cudaError_t select_pages(const SelectParams& p, cudaStream_t stream) {
   if (p.batch <= 0 || p.n_head_kv <= 0) return cudaSuccess;
   if (p.group < 1 || p.group > kMaxGroup || p.budget_pages < 2 || p.log_mass_stride <= 0 || !p.indptr || !p.log_mass ||
-      !p.lse_total || !p.keys || !p.hist || !p.selected || !p.n_selected)
+      !p.lse_total || !p.keys || !p.hist || !p.selected || !p.n_selected || (p.chunk_stats && p.n_chunks < 1))
     return cudaErrorInvalidValue;
   const size_t dyn = select_dynamic_smem(p.log_mass_stride);
   cudaError_t e = set_select_smem(dyn);
   if (e != cudaSuccess) return e;
   const int per_cta = kShareThreads * kSharePages;
   const dim3 g1(unsigned((p.log_mass_stride + per_cta - 1) / per_cta), unsigned(p.n_head_kv), unsigned(p.batch));
-  e = p.group <= 8 ? launch(share_hist_kernel<8>, g1, dim3(kShareThreads), 0, p.pdl, stream, p)
-                    : launch(share_hist_kernel<kMaxGroup>, g1, dim3(kShareThreads), 0, p.pdl, stream, p);
+  const bool merge = p.chunk_stats != nullptr;
+  auto share_hist = p.group <= 8 ? (merge ? share_hist_kernel<8, true> : share_hist_kernel<8, false>)
+                                 : (merge ? share_hist_kernel<kMaxGroup, true> : share_hist_kernel<kMaxGroup, false>);
+  e = launch(share_hist, g1, dim3(kShareThreads), 0, p.pdl, stream, p);
   if (e != cudaSuccess) return e;
   return launch(select_kernel, dim3(unsigned(p.n_head_kv), unsigned(p.batch)), dim3(kSelectThreads), dyn, p.pdl, stream,
                 p);

@@ -125,6 +125,11 @@ struct ScoreParams {
   uint32_t* counters = nullptr;  // workspace [batch * n_head_kv + 2], zero-initialised
   int grid = 0;                  // persistent CTAs; 0: enough to fill the device
   bool pdl = false;              // launch with programmatic dependent launch
+  /// Leave the merge of the chunk statistics into lse_total to select_pages (SelectParams::
+  /// chunk_stats): the last CTA of each (b, h) does not wait for the others; every chunk's entry is
+  /// written (an empty chunk: (-inf, 0)). lse_total is then written here only for a sequence without
+  /// pages (-inf) or with bad input (NaN).
+  bool defer_lse_total = false;
   /// Nullable. Bad input (see the top of this file): page count above log_mass_stride, last_page_len
   /// outside 1..16, a page id outside [0, n_pages_pool) (never read) -> lse_total NaN; that
   /// sequence's log_mass values are then unspecified.
@@ -150,7 +155,7 @@ struct SelectParams {
   const int32_t* indptr = nullptr;  // [batch + 1] (n_pages_b)
   const float* log_mass = nullptr;  // [batch][n_head_kv][group][log_mass_stride]
   int log_mass_stride = 0;
-  const float* lse_total = nullptr;  // [batch][n_head_kv][group]
+  float* lse_total = nullptr;  // [batch][n_head_kv][group]: in; out with chunk_stats
   int budget_pages = 2;              // k >= 2
   uint32_t* keys = nullptr;          // workspace [batch][n_head_kv][log_mass_stride]
   uint32_t* hist = nullptr;          // workspace [batch][n_head_kv][kHistBins], zero-initialised
@@ -158,6 +163,11 @@ struct SelectParams {
   int32_t* n_selected = nullptr;     // out [batch][n_head_kv] = min(k, n_pages_b)
   float* shares = nullptr;           // optional out [batch][n_head_kv][log_mass_stride]
   bool pdl = false;
+  /// With the score pass's defer_lse_total: its chunk statistics ([batch][n_head_kv][n_chunks][16][2],
+  /// log2 units), from which every CTA of the first kernel merges lse_total itself (one round trip
+  /// instead of the score pass's last-CTA chain) and writes it to `lse_total`, which is then an output.
+  const float* chunk_stats = nullptr;
+  int n_chunks = 0;
 };
 cudaError_t select_pages(const SelectParams& p, cudaStream_t stream);
 
@@ -226,6 +236,7 @@ struct DecodePlan {
   int sparse_pages_per_split = 0, sparse_splits = 0;
   int dense_pages_per_split = 0, dense_splits = 0;
   bool sparse_group_halves = false;  // AttentionParams::group_halves of the sparse attention
+  bool defer_lse_total = false;      // ScoreParams::defer_lse_total (select_pages merges lse_total)
   bool pdl = true;
   size_t workspace_bytes = 0;
   // Byte offsets inside the workspace.
