@@ -107,8 +107,9 @@ cudaError_t summary_build(const SummaryBuildParams& p, cudaStream_t stream);
 /// (10 slots, 66.6 KB of shared memory at d 128, 3 CTAs/SM); G > 8: by cp.async into two stages per
 /// warp (53 KB, 2 CTAs/SM). Records must be 16-byte aligned (record_bytes is a multiple of 16).
 /// Each item writes its chunk's
-/// (max, sum) and the last item of (b, h) merges them. counters has batch * n_head_kv + 2 entries
-/// (the last two reserved), zero before the first launch and left zero afterwards.
+/// (max, sum) and the last item of (b, h) merges them (or, with defer_lse_total, select_pages does).
+/// counters has batch * n_head_kv + 2 entries (the last two reserved), zero before the first launch
+/// and left zero afterwards.
 struct ScoreParams {
   const float* q = nullptr;            // [batch][n_head_kv * group][head_dim]
   PagedKvView kv;                      // page table; K read only for partial last pages
