@@ -32,7 +32,7 @@ for stage in "$@"; do
         > "$OUT/memcheck.log" 2>&1; echo "memcheck rc=$?"; tail -4 "$OUT/memcheck.log" ;;
     racecheck)
       stamp racecheck
-      timeout 90 "$SAN" --tool racecheck --error-exitcode 9 "$DIST/bin/locks_tests" \
+      timeout ${RACECHECK_TIMEOUT:-240} "$SAN" --tool racecheck --error-exitcode 9 "$DIST/bin/locks_tests" \
         --gtest_filter='Cuda*:-CudaDecodeStep.LocksStepMatchesCpuOnRealModelKeys' > "$OUT/racecheck.log" 2>&1
       echo "racecheck rc=$?"; tail -4 "$OUT/racecheck.log" ;;
     bench1)

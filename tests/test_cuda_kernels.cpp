@@ -388,6 +388,7 @@ ScoreOut run_score(const World& w, const std::vector<uint8_t>& records, const st
   dcnt.fill_bytes(0);
   dlm.fill_bytes(0x7f);  // poison: every scored entry must be written
   dlse.fill_bytes(0x7f);
+  dstats.fill_bytes(0xff);  // NaN: a chunk statistic left unwritten would poison the deferred merge
   lc::ScoreParams p;
   p.q = dq.p;
   p.kv = w.view();
@@ -903,34 +904,55 @@ TEST(CudaSelect, BudgetCoveringTheSequenceSelectsEveryPage) {
 }
 
 // The decode step's split of work (ScoreParams::defer_lse_total): the score pass writes every
-// chunk's statistics and leaves lse_total to the share kernel, whose CTAs merge them. lse_total must
-// equal the log-sum-exp of the pass's own log-masses (float64 here), the empty sequence keeps -inf,
-// and the selection must be the CPU's on those log-masses.
+// chunk's statistics (unwritten ones would stay NaN: run_score poisons them) and leaves lse_total to
+// the share kernel, whose CTAs merge them. lse_total must equal the log-sum-exp of the pass's own
+// log-masses (float64 here), the empty sequence keeps -inf, and the selection must be the CPU's on
+// those log-masses. 22 chunks of 32 pages (some empty), and 141 (more than the 128 staged in shared
+// memory); G 12 is a head stride that is no power of two. A select without the statistics after a
+// deferred pass fails loudly (n_selected = -1), not on a stale lse_total.
 TEST(CudaSelect, MergesTheScorePassDeferredStatistics) {
   SKIP_WITHOUT_CUDA();
-  for (int G : {4, 16}) {
-    World w(128, 2, G, {16 * 700 + 5, 0, 16 * 90, 7}, lc::KvType::kF16, 1300 + G, false);
-    Summaries s(w);
-    const auto q = w.queries(23 + G);
-    const ScoreOut g = run_score(w, s.records, q, 32, 0, /*defer=*/true);  // 22 chunks, some empty
-    const int B = int(w.lengths.size()), k = 16;
-    std::vector<float> poison(g.lse_total);  // only the empty sequence's entries are written (-inf)
-    const SelectOut o = run_select(B, w.H, G, w.indptr, g.log_mass, poison, g.stride, k, &g.chunk_stats, g.n_chunks);
-    for (int b = 0; b < B; ++b)
-      for (int h = 0; h < w.H; ++h)
-        for (int gg = 0; gg < G; ++gg) {
-          const int n = w.indptr[b + 1] - w.indptr[b];
-          const size_t row = (size_t(b) * w.H + h) * G + gg;
-          const float got = o.lse_total[row];
-          if (n == 0) {
-            EXPECT_EQ(got, -INFINITY) << "empty sequence, b " << b;
-            continue;
-          }
-          const double ref = lse_of(&g.log_mass[row * g.stride], n);
-          EXPECT_NEAR(got, ref, 1e-4 + 1e-6 * std::abs(ref)) << "b " << b << " h " << h << " g " << gg;
+  const std::vector<std::vector<int>> tables = {{16 * 700 + 5, 0, 16 * 90, 7}, {16 * 4500 + 3, 16 * 40}};
+  for (const auto& lens : tables)
+    for (int G : {4, 12, 16}) {
+      World w(128, 2, G, lens, lc::KvType::kF16, 1300 + G, false);
+      Summaries s(w);
+      const auto q = w.queries(23 + G);
+      const ScoreOut g = run_score(w, s.records, q, 32, 0, /*defer=*/true);
+      const int B = int(w.lengths.size()), k = 16;
+      for (int b = 0; b < B; ++b)
+        for (int r = 0; r < w.H * G; ++r) {
+          const float v = g.lse_total[size_t(b) * w.H * G + r];
+          if (w.indptr[b + 1] == w.indptr[b])
+            EXPECT_EQ(v, -INFINITY) << "deferred score pass, empty sequence " << b;
+          else
+            EXPECT_TRUE(std::isnan(v)) << "deferred score pass leaves lse_total NaN, sequence " << b;
         }
-    check_selection(B, w.H, G, w.indptr, g.log_mass, g.stride, k, o, 1e-6, false);
-  }
+      const SelectOut o = run_select(B, w.H, G, w.indptr, g.log_mass, g.lse_total, g.stride, k, &g.chunk_stats,
+                                     g.n_chunks);
+      for (int b = 0; b < B; ++b)
+        for (int h = 0; h < w.H; ++h)
+          for (int gg = 0; gg < G; ++gg) {
+            const int n = w.indptr[b + 1] - w.indptr[b];
+            const size_t row = (size_t(b) * w.H + h) * G + gg;
+            const float got = o.lse_total[row];
+            if (n == 0) {
+              EXPECT_EQ(got, -INFINITY) << "empty sequence, b " << b;
+              continue;
+            }
+            const double ref = lse_of(&g.log_mass[row * g.stride], n);
+            EXPECT_NEAR(got, ref, 1e-4 + 1e-6 * std::abs(ref)) << "b " << b << " h " << h << " g " << gg;
+          }
+      check_selection(B, w.H, G, w.indptr, g.log_mass, g.stride, k, o, 1e-6, false);
+      std::printf("[ deferred merge G=%d ] %d chunks: lse_total and selection match\n", G, g.n_chunks);
+
+      const SelectOut loud = run_select(B, w.H, G, w.indptr, g.log_mass, g.lse_total, g.stride, k);
+      for (int b = 0; b < B; ++b)
+        for (int h = 0; h < w.H; ++h)
+          if (w.indptr[b + 1] > w.indptr[b]) {
+            EXPECT_EQ(loud.n_sel[size_t(b) * w.H + h], -1) << "b " << b;
+          }
+    }
 }
 
 TEST(CudaAttention, DenseAndSparseMatchCpuF16AndBf16) {
@@ -994,7 +1016,8 @@ TEST(CudaAttention, EmptyListGivesZeroAndNegInf) {
 }
 
 // The whole LOCKS step through the plan (GPU-built summaries), eager and from a CUDA graph.
-void run_step_test(World& w, int budget_pages, const char* what) {
+// expect_defer: the plan must leave the lse_total merge to select_pages (>= 32 score chunks).
+void run_step_test(World& w, int budget_pages, const char* what, bool expect_defer = false) {
   const auto q = w.queries(77);
   // GPU summaries of every full page.
   const std::vector<int32_t> pages = w.full_pages();
@@ -1003,6 +1026,10 @@ void run_step_test(World& w, int budget_pages, const char* what) {
   ck(lc::summary_build(w.build_params(dpages, int(pages.size()), drec.p), nullptr), "summary_build");
 
   const lc::DecodePlan plan = lc::make_decode_plan(w.decode_shape(budget_pages));
+  EXPECT_EQ(plan.defer_lse_total, plan.score_chunks >= 32);
+  if (expect_defer) {
+    ASSERT_TRUE(plan.defer_lse_total) << what << ": " << plan.score_chunks << " score chunks";
+  }
   Dev<uint8_t> ws(plan.workspace_bytes);
   ck(lc::init_decode_workspace(plan, ws.p, nullptr), "init workspace");
   Dev<float> dq(q), d_o(q.size()), dl(size_t(w.B()) * w.H * w.G);
@@ -1091,6 +1118,11 @@ TEST(CudaDecodeStep, LocksStepMatchesCpuRandomPages) {
       World w(d, 2, G, {16 * 300 + 7, 16 * 90, 16 * 20 + 1}, lc::KvType::kF16, 500 + d + G);
       run_step_test(w, 32, "random");
     }
+  // A long sequence at batch 2: >= 32 score chunks, so the share kernel merges lse_total.
+  for (int G : {4, 16}) {
+    World w(128, 2, G, {16 * 1100 + 7, 16 * 40}, lc::KvType::kF16, 700 + G, false);
+    run_step_test(w, 32, "random, deferred merge", /*expect_defer=*/true);
+  }
 }
 
 // Bad device-side page tables (kernels.h): the bad sequence (the last) gets NaN outputs and a status
@@ -1098,8 +1130,12 @@ TEST(CudaDecodeStep, LocksStepMatchesCpuRandomPages) {
 // outputs are bit-identical to a run on the clean table.
 TEST(CudaDecodeStep, BadPageTablesGiveNaNAndStatusOthersUnaffected) {
   SKIP_WITHOUT_CUDA();
+  // The second table has a 1040-page sequence: on the H200 that makes 33 score chunks per (sequence,
+  // KV head) for G 4 and 16, so the plan leaves the lse_total merge to the share kernel, and bad
+  // input must reach the output through it (the log line says which path ran).
+  for (int first_len : {16 * 40 + 5, 16 * 1040 + 5})
   for (int G : {4, 16}) {
-    World w(128, 2, G, {16 * 40 + 5, 16 * 30, 16 * 50 + 3, 16 * 20 + 9}, lc::KvType::kBF16, 900 + G);
+    World w(128, 2, G, {first_len, 16 * 30, 16 * 50 + 3, 16 * 20 + 9}, lc::KvType::kBF16, 900 + G, first_len < 1000);
     const int B = w.B(), last = B - 1, pool = w.cfg.n_pages;
     const auto q = w.queries(5);
     Dev<uint8_t> drec(size_t(w.H) * pool * lc::summary_record_bytes(w.d));
@@ -1118,6 +1154,7 @@ TEST(CudaDecodeStep, BadPageTablesGiveNaNAndStatusOthersUnaffected) {
     }
 
     const lc::DecodePlan plan = lc::make_decode_plan(w.decode_shape(8));
+    ASSERT_EQ(plan.defer_lse_total, plan.score_chunks >= 32) << plan.score_chunks << " score chunks";
     Dev<uint8_t> ws(plan.workspace_bytes);
     ck(lc::init_decode_workspace(plan, ws.p, nullptr), "init workspace");
     Dev<float> dq(q), d_o(q.size()), dl(size_t(B) * w.H * w.G);
@@ -1196,8 +1233,8 @@ TEST(CudaDecodeStep, BadPageTablesGiveNaNAndStatusOthersUnaffected) {
       const auto [o2, l2, st2] = step(w.indptr, w.indices, w.last_len, dense);
       EXPECT_EQ(st2, 0u);
       EXPECT_EQ(std::memcmp(o2.data(), o_ref.data(), o2.size() * 4), 0) << "a clean step after bad ones";
-      std::printf("[ bad input G=%d %s ] %zu cases: NaN for the bad sequence, others bit-identical\n", G,
-                  dense ? "dense" : "locks", cases.size());
+      std::printf("[ bad input G=%d %s%s ] %zu cases: NaN for the bad sequence, others bit-identical\n", G,
+                  dense ? "dense" : "locks", plan.defer_lse_total ? " deferred merge" : "", cases.size());
     }
   }
   EXPECT_EQ(lc::describe_decode_status(lc::kStatusBadPageId | lc::kStatusBadLastPageLen),

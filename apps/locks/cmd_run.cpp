@@ -5,10 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
-#include <fstream>
 #include <iostream>
-#include <iterator>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <stdexcept>
@@ -17,6 +14,7 @@
 #include "locks/generate.h"
 #include "locks/model.h"
 #include "locks/paths.h"
+#include "locks/read_input.h"
 
 namespace locks::cli {
 
@@ -45,16 +43,8 @@ struct RunArgs {
   bool prompt_given = false;  // -p was passed (an empty prompt then means BOS only)
 };
 
-std::string read_file(const std::string& path) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec))
-    throw std::runtime_error(fmt::format("prompt file '{}' is a directory", path));
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error(fmt::format("cannot open prompt file '{}'", path));
-  std::string text(std::istreambuf_iterator<char>(in), {});
-  if (in.bad()) throw std::runtime_error(fmt::format("cannot read prompt file '{}'", path));
-  return text;
-}
+// A prompt larger than this cannot fit any context the tool supports (16M tokens at ~4 bytes each).
+constexpr size_t kMaxPromptBytes = size_t(256) << 20;
 
 constexpr const char* kDefaultPrompt = "examples/needle-8k.txt";
 // The default prompt ends with a needle question; its last line goes through decode.
@@ -69,11 +59,11 @@ int run(const RunArgs& a) {
   if (a.prompt_given) {
     prompt = a.prompt;
   } else if (a.prompt_file == "-") {
-    prompt.assign(std::istreambuf_iterator<char>(std::cin), {});
+    prompt = read_input("-", kMaxPromptBytes, "prompt file");
   } else if (!a.prompt_file.empty()) {
-    prompt = read_file(a.prompt_file);
+    prompt = read_input(a.prompt_file, kMaxPromptBytes, "prompt file");
   } else {
-    prompt = read_file(resolve_default_path(kDefaultPrompt));
+    prompt = read_input(resolve_default_path(kDefaultPrompt), kMaxPromptBytes, "prompt file");
     default_prompt = true;
   }
   const std::string model_path = a.model.empty() ? default_model_path() : a.model;

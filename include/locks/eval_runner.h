@@ -26,7 +26,7 @@ struct SelectorSpec {
   std::string name;   // registry name
   SelectorOptions opts;
 };
-/// Throws std::invalid_argument naming the bad key or value.
+/// Throws std::invalid_argument naming the bad key or value, or a key given twice.
 SelectorSpec parse_selector_spec(const std::string& spec, const SummaryFormat& base);
 
 struct EvalConfig {

@@ -157,6 +157,18 @@ __device__ __forceinline__ void lse2_merge(float& m, float& l, float m2, float l
   m = mn;
 }
 
+// The log2-sum-exp over a warp's (max, sum) pairs (all lanes call it): NaN when any lane saw bad
+// input, -inf when no lane has mass.
+__device__ __forceinline__ float warp_lse2(float m, float l, bool bad) {
+  bad = __any_sync(kFull, bad);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float m2 = __shfl_xor_sync(kFull, m, o), l2 = __shfl_xor_sync(kFull, l, o);
+    lse2_merge(m, l, m2, l2);
+  }
+  return bad ? NAN : m == -INFINITY ? -INFINITY : m + log2f(l);
+}
+
 // Warp reductions over the 4 lanes of a quad (lanes 4g .. 4g+3).
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(kFull, x, 1));

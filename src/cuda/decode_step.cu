@@ -282,7 +282,7 @@ AttentionParams step_attention_params(const DecodePlan& plan, const DecodeStepPa
     ap.selected = at<int32_t>(p.workspace, plan.off_selected);
     ap.n_selected = at<int32_t>(p.workspace, plan.off_n_selected);
     ap.selected_stride = plan.shape.budget_pages;
-    ap.pdl_early_reads = plan.pdl;  // its predecessor is select_pages, which writes only the selection
+    ap.pdl_early_reads = plan.pdl;  // early reads: q and the page table, which select_pages does not write
   }
   return ap;
 }

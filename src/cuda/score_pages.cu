@@ -214,14 +214,18 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
     if (fault || n_pages == 0) {  // bad input: NaN; an empty sequence: no shares to normalise
       if (c == 0 && int(threadIdx.x) < G) p.lse_total[bh * G + threadIdx.x] = fault ? NAN : -INFINITY;
       if (c == 0 && threadIdx.x == 0 && fault) raise_status(p.status, fault);
-      if (p.defer_lse_total && int(threadIdx.x) < G) chunk_stat(threadIdx.x) = fault ? make_float2(NAN, NAN) : make_float2(-INFINITY, 0.0f);
+      if (int(threadIdx.x) < G) chunk_stat(threadIdx.x) = fault ? make_float2(NAN, NAN) : make_float2(-INFINITY, 0.0f);
       continue;
     }
     const bool partial = last_len < kPageSize;
     const int n_scored = partial ? n_pages - 1 : n_pages;  // pages scored from summaries
     const int active = max(1, (n_scored + p.chunk_pages - 1) / p.chunk_pages);
-    if (c >= active) {  // an empty chunk (deferred merge: it carries no mass)
-      if (p.defer_lse_total && int(threadIdx.x) < G) chunk_stat(threadIdx.x) = make_float2(-INFINITY, 0.0f);
+    // Every item writes its chunk's statistics (an empty chunk: no mass), so that select_pages can
+    // merge them after any pass. Deferred: lse_total is NaN until select_pages writes it, so that a
+    // select without the statistics fails loudly (n_selected = -1) instead of using a stale value.
+    if (p.defer_lse_total && c == 0 && int(threadIdx.x) < G) p.lse_total[bh * G + threadIdx.x] = NAN;
+    if (c >= active) {
+      if (int(threadIdx.x) < G) chunk_stat(threadIdx.x) = make_float2(-INFINITY, 0.0f);
       continue;
     }
 
@@ -286,7 +290,7 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
         const int row = g + 8 * r;
         const float4* src = reinterpret_cast<const float4*>(p.q + (bh * G + row) * D + t * QL);
 #pragma unroll
-        for (int i = 0; i < QL / 4; ++i) qv[r][i] = row < G ? __ldg(src + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int i = 0; i < QL / 4; ++i) qv[r][i] = row < G ? src[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       }
     }
     constexpr int kAhead = kRing ? R : kWarps;  // octet i's copy is issued with octet i - kAhead's compute
@@ -673,13 +677,8 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
         bad |= isnan(v.y);
         lse2_merge(m, l, v.x, v.y);
       }
-      bad = __any_sync(kFull, bad);
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        const float m2 = __shfl_xor_sync(kFull, m, o), l2 = __shfl_xor_sync(kFull, l, o);
-        lse2_merge(m, l, m2, l2);
-      }
-      if (lane == 0) p.lse_total[bh * G + r] = bad ? NAN : m == -INFINITY ? -INFINITY : (m + log2f(l)) * kLn2;
+      const float v = warp_lse2(m, l, bad);
+      if (lane == 0) p.lse_total[bh * G + r] = v * kLn2;
     }
   }
 }
@@ -723,8 +722,9 @@ cudaError_t launch_score(const ScoreParams& p, cudaStream_t stream) {
   return cudaLaunchKernelEx(&cfg, score_kernel<D, GT, MB>, p);
 }
 
-// G <= 8 runs 3 CTAs per SM (162 registers, no spills): measured on the H200 at 1M tokens, 4 KV
-// heads, faster than 4 CTAs capped at 128 registers (84 vs 88 us), which spill. G > 8 needs ~230.
+// G <= 8 runs 3 CTAs per SM (168 registers at d = 128, no spills): measured on the H200 at 1M
+// tokens, 4 KV heads, faster than 4 CTAs capped at 128 registers (84 vs 88 us), which spill. G > 8
+// needs ~245.
 template <int D>
 int ctas_per_sm_for(int group) {
   int n = 1;
@@ -749,7 +749,8 @@ cudaError_t score_pages(const ScoreParams& p, cudaStream_t stream) {
   if (p.kv.batch <= 0 || p.kv.n_head_kv <= 0) return cudaSuccess;
   if (p.group < 1 || p.group > kMaxGroup || p.chunk_pages <= 0 || p.chunk_pages % 32 != 0 || p.n_chunks <= 0 ||
       p.log_mass_stride <= 0 || p.n_pages_pool <= 0 || !p.q || !p.summaries || !p.log_mass || !p.lse_total ||
-      !p.chunk_stats || !p.counters || !p.kv.indptr || !p.kv.indices || !p.kv.last_page_len || !p.kv.k)
+      !p.chunk_stats || !p.counters || !p.kv.indptr || !p.kv.indices || !p.kv.last_page_len || !p.kv.k ||
+      reinterpret_cast<uintptr_t>(p.q) % 16 != 0)  // q is read as float4
     return cudaErrorInvalidValue;
   switch (p.kv.head_dim) {
     case 64:

@@ -35,7 +35,7 @@ template <int GT, bool MERGE>
 __global__ void __launch_bounds__(kShareThreads) share_hist_kernel(SelectParams p) {
   __shared__ uint32_t hist[kHistBins];
   __shared__ float lse2[kMaxGroup];
-  __shared__ float2 stat_s[MERGE ? kStatChunks * GT : 1];  // [chunk][head]
+  __shared__ float2 stat_s[MERGE ? GT * kStatChunks : 1];  // [head][chunk]: a warp reads a head's row
   pdl_wait();
   pdl_launch_dependents();
   const int b = blockIdx.z, h = blockIdx.y;
@@ -65,8 +65,8 @@ __global__ void __launch_bounds__(kShareThreads) share_hist_kernel(SelectParams 
     // the result as lse_total.
     const int G = p.group, nc = min(p.n_chunks, kStatChunks);
     const float2* cs = reinterpret_cast<const float2*>(p.chunk_stats) + bh * p.n_chunks * 16;
-    for (int e = threadIdx.x; e < nc * G; e += kShareThreads) {
-      const uint32_t dst = uint32_t(__cvta_generic_to_shared(&stat_s[e]));
+    for (int e = threadIdx.x; e < nc * G; e += kShareThreads) {  // global [chunk][16] -> shared [head][chunk]
+      const uint32_t dst = uint32_t(__cvta_generic_to_shared(&stat_s[(e % G) * kStatChunks + e / G]));
       asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(cs + size_t(e / G) * 16 + e % G) : "memory");
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
@@ -76,17 +76,11 @@ __global__ void __launch_bounds__(kShareThreads) share_hist_kernel(SelectParams 
       float m = -INFINITY, l = 0.0f;
       bool bad = false;  // a chunk saw bad input
       for (int c = lane; c < p.n_chunks; c += 32) {
-        const float2 v = c < kStatChunks ? stat_s[c * G + r] : __ldcg(cs + size_t(c) * 16 + r);
+        const float2 v = c < kStatChunks ? stat_s[r * kStatChunks + c] : __ldcg(cs + size_t(c) * 16 + r);
         bad |= isnan(v.y);
         lse2_merge(m, l, v.x, v.y);
       }
-      bad = __any_sync(kFull, bad);
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        const float m2 = __shfl_xor_sync(kFull, m, o), l2 = __shfl_xor_sync(kFull, l, o);
-        lse2_merge(m, l, m2, l2);
-      }
-      const float v = bad ? NAN : m == -INFINITY ? -INFINITY : m + log2f(l);
+      const float v = warp_lse2(m, l, bad);
       if (lane == 0) {
         lse2[r] = v;
         if (blockIdx.x == 0) p.lse_total[bh * G + r] = v * kLn2;

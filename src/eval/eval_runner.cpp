@@ -148,6 +148,7 @@ SelectorSpec parse_selector_spec(const std::string& spec, const SummaryFormat& b
   s.opts.summary = base;
   size_t start = 0;
   bool first = true;
+  std::vector<std::string> seen_keys;  // a key given twice would silently keep the last value
   while (start <= spec.size()) {
     size_t end = spec.find('/', start);
     if (end == std::string::npos) end = spec.size();
@@ -160,6 +161,9 @@ SelectorSpec parse_selector_spec(const std::string& spec, const SummaryFormat& b
       if (eq == std::string::npos)
         throw std::invalid_argument(fmt::format("selector '{}': '{}' is not key=value", spec, part));
       const std::string k = part.substr(0, eq), v = part.substr(eq + 1);
+      if (std::find(seen_keys.begin(), seen_keys.end(), k) != seen_keys.end())
+        throw std::invalid_argument(fmt::format("selector '{}': key '{}' given twice", spec, k));
+      seen_keys.push_back(k);
       auto as_int = [&] {
         try {
           size_t used = 0;

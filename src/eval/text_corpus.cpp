@@ -2,16 +2,19 @@
 
 #include <lzma.h>
 
-#include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <stdexcept>
 
 #include <fmt/format.h>
 
+#include "locks/read_input.h"
+
 namespace locks {
 
 namespace {
+
+// Far above any held-out corpus (the shipped one is 10 MB); bounds a hostile or endless input,
+// compressed or not.
+constexpr size_t kMaxCorpusBytes = size_t(256) << 20;
 
 std::string xz_decompress(const std::string& in, const std::string& path) {
   lzma_stream strm = LZMA_STREAM_INIT;
@@ -27,6 +30,10 @@ std::string xz_decompress(const std::string& in, const std::string& path) {
     strm.avail_out = buf.size();
     ret = lzma_code(&strm, LZMA_FINISH);
     out.append(reinterpret_cast<const char*>(buf.data()), buf.size() - strm.avail_out);
+    if (out.size() > kMaxCorpusBytes) {
+      lzma_end(&strm);
+      throw std::runtime_error(fmt::format("'{}': decompresses to more than {} MiB", path, kMaxCorpusBytes >> 20));
+    }
   }
   lzma_end(&strm);
   if (ret != LZMA_STREAM_END) throw std::runtime_error(fmt::format("'{}': xz data is corrupt or truncated", path));
@@ -36,11 +43,7 @@ std::string xz_decompress(const std::string& in, const std::string& path) {
 }  // namespace
 
 std::vector<std::string> load_documents(const std::string& path) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) throw std::runtime_error(fmt::format("text corpus '{}' is a directory", path));
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw std::runtime_error(fmt::format("cannot open text corpus '{}'", path));
-  std::string data(std::istreambuf_iterator<char>(f), {});
+  std::string data = read_input(path, kMaxCorpusBytes, "text corpus");
   if (path.size() > 3 && path.compare(path.size() - 3, 3, ".xz") == 0) data = xz_decompress(data, path);
   std::vector<std::string> docs;
   size_t start = 0;

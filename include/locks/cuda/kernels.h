@@ -99,19 +99,20 @@ cudaError_t summary_build(const SummaryBuildParams& p, cudaStream_t stream);
 /// summary: log_mass[b][h][g][j] = s_hat_j(q_g). The last page of a sequence, when partial
 /// (last_page_len < 16), has no summary: its exact log-mass is computed from its keys, as the CPU
 /// selector does. Also produces the per-head normaliser of the shares (Eq. 5):
-/// lse_total[b][h][g] = logsumexp_j log_mass[b][h][g][j] (-inf for a sequence without pages).
+/// lse_total[b][h][g] = logsumexp_j log_mass[b][h][g][j] (-inf for a sequence without pages), or,
+/// with defer_lse_total, leaves it to select_pages.
 /// Launch contract: `grid` persistent CTAs of 128 threads walk the work items (b, h, chunk c)
 /// round-robin; an item scores positions [c * chunk_pages, (c + 1) * chunk_pages), each warp 8 pages
 /// (an octet) at a time (int8 tensor cores: Q x basis, Q x centroid; f16: W x coefficients). G <= 8:
 /// records arrive by one bulk copy (TMA) each into a ring of octet slots shared by the CTA's warps
 /// (10 slots, 66.6 KB of shared memory at d 128, 3 CTAs/SM); G > 8: by cp.async into two stages per
 /// warp (53 KB, 2 CTAs/SM). Records must be 16-byte aligned (record_bytes is a multiple of 16).
-/// Each item writes its chunk's
-/// (max, sum) and the last item of (b, h) merges them (or, with defer_lse_total, select_pages does).
-/// counters has batch * n_head_kv + 2 entries (the last two reserved), zero before the first launch
-/// and left zero afterwards.
+/// Every item writes its chunk's
+/// (max, sum) (an empty chunk (-inf, 0), bad input NaN) and the last item of (b, h) merges them
+/// (with defer_lse_total, select_pages does). counters has batch * n_head_kv + 2 entries (the last
+/// two reserved), zero before the first launch and left zero afterwards.
 struct ScoreParams {
-  const float* q = nullptr;            // [batch][n_head_kv * group][head_dim]
+  const float* q = nullptr;            // [batch][n_head_kv * group][head_dim], 16-byte aligned
   PagedKvView kv;                      // page table; K read only for partial last pages
   const uint8_t* summaries = nullptr;  // records of this layer
   int n_pages_pool = 0;
@@ -126,14 +127,15 @@ struct ScoreParams {
   uint32_t* counters = nullptr;  // workspace [batch * n_head_kv + 2], zero-initialised
   int grid = 0;                  // persistent CTAs; 0: enough to fill the device
   bool pdl = false;              // launch with programmatic dependent launch
-  /// Leave the merge of the chunk statistics into lse_total to select_pages (SelectParams::
-  /// chunk_stats): the last CTA of each (b, h) does not wait for the others; every chunk's entry is
-  /// written (an empty chunk: (-inf, 0)). lse_total is then written here only for a sequence without
-  /// pages (-inf) or with bad input (NaN).
+  /// Leave the merge of the chunk statistics into lse_total to select_pages, which must then get them
+  /// (SelectParams::chunk_stats): no CTA here waits for the others of its (b, h). lse_total is then
+  /// -inf for a sequence without pages, NaN for the others (select_pages overwrites it; without
+  /// chunk_stats it gives n_selected = -1 for them instead of using a stale value).
   bool defer_lse_total = false;
   /// Nullable. Bad input (see the top of this file): page count above log_mass_stride, last_page_len
-  /// outside 1..16, a page id outside [0, n_pages_pool) (never read) -> lse_total NaN; that
-  /// sequence's log_mass values are then unspecified.
+  /// outside 1..16, a page id outside [0, n_pages_pool) (never read) -> lse_total NaN (with
+  /// defer_lse_total: once select_pages has merged the chunk statistics); that sequence's log_mass
+  /// values are then unspecified.
   uint32_t* status = nullptr;
 };
 /// Counters a ScoreParams needs (batch * n_head_kv + 2).
@@ -146,7 +148,8 @@ cudaError_t score_pages(const ScoreParams& p, cudaStream_t stream);
 /// pages by share, ties to the lower page index (exact: a 2048-bin histogram of the share's float
 /// bits narrows the threshold, then a radix select on (share bits, ~index) resolves it). Output
 /// positions ascending; n_b <= k selects every page. A sequence with a NaN lse_total (bad input, see
-/// score_pages) or more pages than log_mass_stride gets n_selected = -1 and no selection. Two kernels: shares +
+/// score_pages; with chunk_stats: NaN statistics) or more pages than log_mass_stride gets
+/// n_selected = -1 and no selection. Two kernels: shares +
 /// histogram (grid (ceil(stride / 256), n_head_kv, batch) x 256 threads) and select (grid (n_head_kv, batch) x 1024
 /// threads, one CTA per GQA group). hist must be zero before the first launch; left zero afterwards.
 struct SelectParams {
@@ -164,9 +167,10 @@ struct SelectParams {
   int32_t* n_selected = nullptr;     // out [batch][n_head_kv] = min(k, n_pages_b)
   float* shares = nullptr;           // optional out [batch][n_head_kv][log_mass_stride]
   bool pdl = false;
-  /// With the score pass's defer_lse_total: its chunk statistics ([batch][n_head_kv][n_chunks][16][2],
-  /// log2 units), from which every CTA of the first kernel merges lse_total itself (one round trip
-  /// instead of the score pass's last-CTA chain) and writes it to `lse_total`, which is then an output.
+  /// Nullable: the score pass's chunk statistics ([batch][n_head_kv][n_chunks][16][2], log2 units;
+  /// required after a pass with defer_lse_total). Every CTA of the first kernel then merges lse_total
+  /// itself (one round trip instead of the score pass's last-CTA chain), and CTA 0 of each (b, h)
+  /// writes it to `lse_total` for sequences with pages, which is then an output.
   const float* chunk_stats = nullptr;
   int n_chunks = 0;
 };
@@ -254,7 +258,7 @@ cudaError_t init_decode_workspace(const DecodePlan& plan, void* workspace, cudaS
 
 /// LOCKS step: score_pages -> select_pages -> sparse paged_decode_attention (+ merge).
 struct DecodeStepParams {
-  const float* q = nullptr;  // [batch][n_head_kv * group][head_dim]
+  const float* q = nullptr;  // [batch][n_head_kv * group][head_dim], 16-byte aligned (score_pages)
   PagedKvView kv;
   const uint8_t* summaries = nullptr;
   int n_pages_pool = 0;

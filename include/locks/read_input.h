@@ -1,0 +1,16 @@
+// Reading a whole text input (a prompt or a corpus file) with a size limit, so that an endless
+// source (/dev/zero, a pipe that never closes) ends in a clear error instead of exhausting memory.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+namespace locks {
+
+/// The whole content of `path` ("-": standard input), at most `max_bytes` bytes.
+/// `what` names the input in errors ("prompt file", "text corpus").
+/// Throws std::runtime_error naming `what` and the path when it is a directory, cannot be opened or
+/// read, or holds more than `max_bytes` bytes.
+std::string read_input(const std::string& path, size_t max_bytes, const std::string& what);
+
+}  // namespace locks

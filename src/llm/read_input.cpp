@@ -1,0 +1,37 @@
+#include "locks/read_input.h"
+
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <stdexcept>
+#include <system_error>
+
+#include <fmt/format.h>
+
+namespace locks {
+
+std::string read_input(const std::string& path, size_t max_bytes, const std::string& what) {
+  std::error_code ec;
+  if (path != "-" && std::filesystem::is_directory(path, ec))
+    throw std::runtime_error(fmt::format("{} '{}' is a directory", what, path));
+  std::ifstream file;
+  if (path != "-") {
+    file.open(path, std::ios::binary);
+    if (!file) throw std::runtime_error(fmt::format("cannot open {} '{}'", what, path));
+  }
+  std::istream& in = path == "-" ? std::cin : file;
+  std::string text;
+  char buf[1 << 16];
+  while (in) {
+    in.read(buf, sizeof buf);
+    const size_t got = size_t(in.gcount());
+    if (got > max_bytes - text.size())
+      throw std::runtime_error(fmt::format("{} '{}' is larger than {} MiB (an endless input such as /dev/zero?)",
+                                           what, path, max_bytes >> 20));
+    text.append(buf, got);
+  }
+  if (in.bad()) throw std::runtime_error(fmt::format("cannot read {} '{}'", what, path));
+  return text;
+}
+
+}  // namespace locks
