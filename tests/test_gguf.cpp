@@ -3,13 +3,16 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <stdexcept>
 
 #include "locks/gguf.h"
+#include "locks/model.h"
 #include "test_paths.h"
 
 namespace locks {
@@ -352,6 +355,39 @@ class GgufModels : public ::testing::Test {
     if (!test::shared_available()) GTEST_SKIP() << "../shared not present";
   }
 };
+
+// A llama.* size key of the real model set to 0 or to 0xFFFFFFFF (which an int would read as -1):
+// the load fails with a message naming the key and its value.
+TEST_F(GgufModels, HostileSizeKeysNameTheKey) {
+  std::ifstream in(test::source_path("models/locks-ref-a-q8_0.gguf"), std::ios::binary);
+  const std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), {});
+  ASSERT_GT(bytes.size(), 1000u);
+  // A GGUF key-value pair: key length (u64), key, value type (u32; 4 = UINT32), value.
+  auto with_u32 = [&](const std::string& key, uint32_t v) {
+    std::vector<uint8_t> b = bytes;
+    const auto it = std::search(b.begin(), b.end(), key.begin(), key.end());
+    EXPECT_NE(it, b.end()) << key;
+    const size_t at = size_t(it - b.begin()) + key.size();
+    uint32_t type = 0;
+    std::memcpy(&type, &b[at], 4);
+    EXPECT_EQ(type, 4u) << key << " is not a UINT32";
+    std::memcpy(&b[at + 4], &v, 4);
+    return b;
+  };
+  auto load_error = [&](const std::string& key, uint32_t v) {
+    try {
+      LlamaModel::from_gguf(GgufFile::from_bytes(with_u32(key, v), "m.gguf"));
+    } catch (const std::runtime_error& e) {
+      return std::string(e.what());
+    }
+    return std::string("loaded");
+  };
+  EXPECT_EQ(load_error("llama.context_length", 0xFFFFFFFFu),
+            "GGUF 'm.gguf': llama.context_length = 4294967295 is outside [1, 1073741824]");
+  EXPECT_EQ(load_error("llama.embedding_length", 0), "GGUF 'm.gguf': llama.embedding_length = 0 is outside [1, 65536]");
+  EXPECT_EQ(load_error("llama.attention.head_count_kv", 0xFFFFFFFFu),
+            "GGUF 'm.gguf': llama.attention.head_count_kv = 4294967295 is outside [1, 1024]");
+}
 
 TEST_F(GgufModels, LocksRefMetadataAndShapes) {
   const GgufFile f = GgufFile::open(test::shared_path("models/locks-ref-a-q8_0.gguf"));

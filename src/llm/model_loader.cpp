@@ -38,28 +38,31 @@ LlamaModel LlamaModel::from_gguf(const GgufFile& f) {
   LlamaModel m;
   m.name = f.has_key("general.name") ? f.get_string("general.name") : f.name();
   LlamaHparams& hp = m.hp;
-  hp.n_ctx_train = int(f.get_u32("llama.context_length"));
-  hp.n_embd = int(f.get_u32("llama.embedding_length"));
-  hp.n_layer = int(f.get_u32("llama.block_count"));
-  hp.n_ff = int(f.get_u32("llama.feed_forward_length"));
-  hp.n_head = int(f.get_u32("llama.attention.head_count"));
-  hp.n_head_kv = int(f.get_u32_or("llama.attention.head_count_kv", uint32_t(hp.n_head)));
-  hp.rope_freq_base = f.get_f32_or("llama.rope.freq_base", 10000.0f);
-  hp.rms_eps = f.get_f32_or("llama.attention.layer_norm_rms_epsilon", 1e-5f);
   auto bad = [&](const std::string& what) {
     return std::runtime_error(fmt::format("GGUF '{}': {}", f.name(), what));
   };
-  if (hp.n_embd <= 0 || hp.n_layer <= 0 || hp.n_ff <= 0 || hp.n_head <= 0 || hp.n_head_kv <= 0 || hp.n_ctx_train <= 0)
-    throw bad("llama.* sizes must be positive");
-  if (hp.n_embd > 65536 || hp.n_layer > 1024 || hp.n_ff > 1 << 20 || hp.n_head > 1024)
-    throw bad("llama.* sizes are implausibly large");
+  // A size key read as u32 and checked before it becomes an int (0xFFFFFFFF must not wrap to -1).
+  auto size_key = [&](const char* key, uint32_t v, uint32_t max) {
+    if (v == 0 || v > max) throw bad(fmt::format("{} = {} is outside [1, {}]", key, v, max));
+    return int(v);
+  };
+  hp.n_ctx_train = size_key("llama.context_length", f.get_u32("llama.context_length"), 1u << 30);
+  hp.n_embd = size_key("llama.embedding_length", f.get_u32("llama.embedding_length"), 65536);
+  hp.n_layer = size_key("llama.block_count", f.get_u32("llama.block_count"), 1024);
+  hp.n_ff = size_key("llama.feed_forward_length", f.get_u32("llama.feed_forward_length"), 1u << 20);
+  hp.n_head = size_key("llama.attention.head_count", f.get_u32("llama.attention.head_count"), 1024);
+  hp.n_head_kv = size_key("llama.attention.head_count_kv",
+                          f.get_u32_or("llama.attention.head_count_kv", uint32_t(hp.n_head)), 1024);
+  hp.rope_freq_base = f.get_f32_or("llama.rope.freq_base", 10000.0f);
+  hp.rms_eps = f.get_f32_or("llama.attention.layer_norm_rms_epsilon", 1e-5f);
   if (hp.n_embd % hp.n_head != 0) throw bad(fmt::format("n_embd {} not divisible by n_head {}", hp.n_embd, hp.n_head));
   if (hp.n_head % hp.n_head_kv != 0)
     throw bad(fmt::format("n_head {} not divisible by n_head_kv {}", hp.n_head, hp.n_head_kv));
   hp.head_dim = hp.n_embd / hp.n_head;
-  hp.n_rot = int(f.get_u32_or("llama.rope.dimension_count", uint32_t(hp.head_dim)));
-  if (hp.n_rot <= 0 || hp.n_rot > hp.head_dim || hp.n_rot % 2 != 0)
-    throw bad(fmt::format("llama.rope.dimension_count {} invalid for head_dim {}", hp.n_rot, hp.head_dim));
+  const uint32_t n_rot = f.get_u32_or("llama.rope.dimension_count", uint32_t(hp.head_dim));
+  if (n_rot == 0 || n_rot > uint32_t(hp.head_dim) || n_rot % 2 != 0)
+    throw bad(fmt::format("llama.rope.dimension_count {} invalid for head_dim {}", n_rot, hp.head_dim));
+  hp.n_rot = int(n_rot);
   if (!(hp.rope_freq_base > 0.0f) || !(hp.rms_eps > 0.0f) || !std::isfinite(hp.rope_freq_base) ||
       !std::isfinite(hp.rms_eps))
     throw bad(fmt::format("rope freq_base {} and RMSNorm eps {} must be finite and positive", hp.rope_freq_base,
