@@ -26,6 +26,12 @@ constexpr const char* kKeyWords[] = {
     "wizard",  "zebra",   "acorn",   "blossom", "crystal", "dusk",    "elbow",   "fossil",  "granite", "horizon",
     "igloo",   "juniper", "koala",   "lagoon",  "mango",   "nutmeg",  "onion",   "pebble",  "radish",  "spruce"};
 
+size_t total_bytes(const std::vector<std::string>& docs) {
+  size_t n = 0;
+  for (const auto& d : docs) n += d.size();
+  return n;
+}
+
 std::vector<std::string> split_lines(const std::string& s) {
   std::vector<std::string> out;
   std::string line;
@@ -104,7 +110,10 @@ NeedleTask make_needle_task(const std::vector<std::string>& docs, const Tokenize
   size_t chars = 0;
   const size_t want_chars = size_t(target_tokens) * 4 + 4096;
   for (size_t d = rng() % docs.size(), seen = 0; chars < want_chars; d = (d + 1) % docs.size(), ++seen) {
-    if (seen > docs.size()) throw std::invalid_argument("needle task: documents hold too little text");
+    if (seen > docs.size())
+      throw std::invalid_argument(fmt::format(
+          "needle task: the corpus holds {} bytes of text, fewer than the {} a {}-token haystack needs",
+          total_bytes(docs), want_chars, target_tokens));
     for (auto& l : split_lines(docs[d])) {
       chars += l.size() + 1;
       lines.push_back(std::move(l));
@@ -189,12 +198,16 @@ std::vector<int32_t> make_text_tokens(const std::vector<std::string>& docs, cons
   std::string text;
   size_t d = rng() % docs.size();
   for (size_t seen = 0; text.size() < size_t(n_tokens) * 4 + 4096; d = (d + 1) % docs.size(), ++seen) {
-    if (seen > docs.size()) throw std::invalid_argument("text tokens: documents hold too little text");
+    if (seen > docs.size())
+      throw std::invalid_argument(fmt::format("text tokens: the corpus holds {} bytes of text, fewer than the {} that {} tokens need",
+                                              total_bytes(docs), size_t(n_tokens) * 4 + 4096, n_tokens));
     text += docs[d];
     text += "\n\n";
   }
   std::vector<int32_t> ids = tok.encode(text, true);
-  if (int(ids.size()) < n_tokens) throw std::invalid_argument("text tokens: documents hold too little text");
+  if (int(ids.size()) < n_tokens)
+    throw std::invalid_argument(
+        fmt::format("text tokens: the corpus's text makes {} tokens, fewer than the {} needed", ids.size(), n_tokens));
   ids.resize(size_t(n_tokens));
   return ids;
 }
