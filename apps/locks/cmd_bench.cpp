@@ -9,9 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <random>
-#include <sstream>
 #include <vector>
 
 #include "commands.h"
@@ -19,6 +17,7 @@
 #include "locks/generate.h"
 #include "locks/model.h"
 #include "locks/paths.h"
+#include "locks/read_input.h"
 #include "locks/selector.h"
 #include "locks/session.h"
 // ---- CUDA (`--device cuda`) ----
@@ -167,11 +166,7 @@ void bench_attention(const BenchArgs& a) {
 
 std::vector<int32_t> haystack_tokens(const LlamaModel& model, int n) {
   const std::string path = resolve_default_path("examples/haystack.txt");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error(fmt::format("cannot open '{}'", path));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  std::vector<int32_t> ids = model.tokenizer.encode(ss.str(), true);
+  std::vector<int32_t> ids = model.tokenizer.encode(read_input(path, size_t(256) << 20, "haystack file"), true);
   if (int(ids.size()) < n)
     throw std::runtime_error(fmt::format("'{}' has {} tokens, the benchmark needs {}", path, ids.size(), n));
   ids.resize(n);

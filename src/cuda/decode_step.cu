@@ -20,6 +20,11 @@ namespace {
 
 size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 int div_up(long a, long b) { return int((a + b - 1) / b); }
+// A typed view at a byte offset of the workspace.
+template <class T>
+T* at(void* ws, size_t off) {
+  return reinterpret_cast<T*>(static_cast<char*>(ws) + off);
+}
 
 __global__ void probe_kernel(int* out) {
   if (threadIdx.x == 0) *out = 42;
@@ -175,7 +180,7 @@ cudaError_t init_decode_workspace(const DecodePlan& plan, void* ws, cudaStream_t
 }
 
 cudaError_t read_decode_status(const DecodePlan& plan, void* ws, uint32_t* status, bool clear, cudaStream_t stream) {
-  uint32_t* d = reinterpret_cast<uint32_t*>(static_cast<char*>(ws) + plan.off_status);
+  uint32_t* d = at<uint32_t>(ws, plan.off_status);
   cudaError_t e = cudaMemcpyAsync(status, d, sizeof(uint32_t), cudaMemcpyDeviceToHost, stream);
   if (e == cudaSuccess && clear) e = cudaMemsetAsync(d, 0, sizeof(uint32_t), stream);
   if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
@@ -195,25 +200,10 @@ std::string describe_decode_status(uint32_t status) {
   return out;
 }
 
-float* plan_log_mass(const DecodePlan& plan, void* ws) {
-  return reinterpret_cast<float*>(static_cast<char*>(ws) + plan.off_log_mass);
-}
-float* plan_lse_total(const DecodePlan& plan, void* ws) {
-  return reinterpret_cast<float*>(static_cast<char*>(ws) + plan.off_lse_total);
-}
-int32_t* plan_selected(const DecodePlan& plan, void* ws) {
-  return reinterpret_cast<int32_t*>(static_cast<char*>(ws) + plan.off_selected);
-}
-int32_t* plan_n_selected(const DecodePlan& plan, void* ws) {
-  return reinterpret_cast<int32_t*>(static_cast<char*>(ws) + plan.off_n_selected);
-}
-
-namespace {
-template <class T>
-T* at(void* ws, size_t off) {
-  return reinterpret_cast<T*>(static_cast<char*>(ws) + off);
-}
-}  // namespace
+float* plan_log_mass(const DecodePlan& plan, void* ws) { return at<float>(ws, plan.off_log_mass); }
+float* plan_lse_total(const DecodePlan& plan, void* ws) { return at<float>(ws, plan.off_lse_total); }
+int32_t* plan_selected(const DecodePlan& plan, void* ws) { return at<int32_t>(ws, plan.off_selected); }
+int32_t* plan_n_selected(const DecodePlan& plan, void* ws) { return at<int32_t>(ws, plan.off_n_selected); }
 
 ScoreParams step_score_params(const DecodePlan& plan, const DecodeStepParams& p) {
   ScoreParams sp;

@@ -196,11 +196,12 @@ std::vector<int32_t> make_text_tokens(const std::vector<std::string>& docs, cons
   if (docs.empty() || n_tokens < 2) throw std::invalid_argument("text tokens: no documents or too few tokens");
   std::mt19937_64 rng(seed * 0xD1B54A32D192ED03ull + 99);
   std::string text;
+  const size_t want_bytes = size_t(n_tokens) * 4 + 4096;
   size_t d = rng() % docs.size();
-  for (size_t seen = 0; text.size() < size_t(n_tokens) * 4 + 4096; d = (d + 1) % docs.size(), ++seen) {
+  for (size_t seen = 0; text.size() < want_bytes; d = (d + 1) % docs.size(), ++seen) {
     if (seen > docs.size())
       throw std::invalid_argument(fmt::format("text tokens: the corpus holds {} bytes of text, fewer than the {} that {} tokens need",
-                                              total_bytes(docs), size_t(n_tokens) * 4 + 4096, n_tokens));
+                                              total_bytes(docs), want_bytes, n_tokens));
     text += docs[d];
     text += "\n\n";
   }
