@@ -11,6 +11,8 @@
 #include <iterator>
 #include <stdexcept>
 
+#include <fmt/format.h>
+
 #include "locks/gguf.h"
 #include "locks/model.h"
 #include "test_paths.h"
@@ -387,6 +389,10 @@ TEST_F(GgufModels, HostileSizeKeysNameTheKey) {
   EXPECT_EQ(load_error("llama.embedding_length", 0), "GGUF 'm.gguf': llama.embedding_length = 0 is outside [1, 65536]");
   EXPECT_EQ(load_error("llama.attention.head_count_kv", 0xFFFFFFFFu),
             "GGUF 'm.gguf': llama.attention.head_count_kv = 4294967295 is outside [1, 1024]");
+  const uint32_t n_vocab = GgufFile::from_bytes(bytes, "m.gguf").get_u32("llama.vocab_size");
+  EXPECT_EQ(load_error("llama.vocab_size", n_vocab + 1),
+            fmt::format("GGUF 'm.gguf': llama.vocab_size = {} disagrees with the {} tokens of tokenizer.ggml.tokens",
+                        n_vocab + 1, n_vocab));
 }
 
 TEST_F(GgufModels, LocksRefMetadataAndShapes) {

@@ -82,9 +82,6 @@ int run(const RunArgs& a) {
     fmt::print(stderr, "[locks] warning: context {} tokens exceeds the model's training context of {}\n", a.n_ctx,
                model.hp.n_ctx_train);
   Session session(model, sc);
-  if (int64_t(ids.size()) + a.max_tokens > session.n_ctx())
-    throw std::length_error(fmt::format("prompt of {} tokens + {} to generate exceeds the context size of {} tokens",
-                                        ids.size(), a.max_tokens, session.n_ctx()));
 
   GenerateOptions go;
   go.max_tokens = a.max_tokens;

@@ -8,17 +8,21 @@
 
 namespace locks {
 
+namespace {
+std::string tokens(int64_t n) { return fmt::format("{} token{}", n, n == 1 ? "" : "s"); }
+}  // namespace
+
 GenerateResult generate(Session& session, const std::vector<int32_t>& prompt_ids, const GenerateOptions& opts,
                         const std::function<void(int32_t)>& on_token) {
   const int n_prompt = static_cast<int>(prompt_ids.size());
   if (n_prompt == 0) throw std::invalid_argument("empty prompt");
   if (opts.decode_tail < 0 || opts.decode_tail >= n_prompt)
-    throw std::invalid_argument(fmt::format("decode tail {} must be in [0, {}) for a prompt of {} tokens",
-                                            opts.decode_tail, n_prompt, n_prompt));
+    throw std::invalid_argument(fmt::format("decode tail {} must be in [0, {}) for a prompt of {}",
+                                            opts.decode_tail, n_prompt, tokens(n_prompt)));
   if (opts.max_tokens < 0) throw std::invalid_argument("max tokens must be >= 0");
   if (int64_t(n_prompt) + opts.max_tokens > session.n_ctx())
-    throw std::length_error(fmt::format("prompt of {} tokens + {} to generate exceeds the context size of {} tokens",
-                                        n_prompt, opts.max_tokens, session.n_ctx()));
+    throw std::length_error(fmt::format("prompt of {} + {} to generate exceeds the context size of {}",
+                                        tokens(n_prompt), opts.max_tokens, tokens(session.n_ctx())));
   GenerateResult res;
   res.prompt_ids = prompt_ids;
   const int n_prefill = n_prompt - opts.decode_tail;

@@ -70,6 +70,10 @@ LlamaModel LlamaModel::from_gguf(const GgufFile& f) {
 
   m.tokenizer = Tokenizer::from_gguf(f);
   hp.n_vocab = m.tokenizer.n_vocab();
+  // Optional, but when present it must agree with the token list the embedding rows are sized by.
+  if (f.has_key("llama.vocab_size") && f.get_u32("llama.vocab_size") != uint32_t(hp.n_vocab))
+    throw bad(fmt::format("llama.vocab_size = {} disagrees with the {} tokens of tokenizer.ggml.tokens",
+                          f.get_u32("llama.vocab_size"), hp.n_vocab));
   const int E = hp.n_embd, HD = hp.head_dim;
   m.tok_embd = load_matrix(f, "token_embd.weight", hp.n_vocab, E);
   m.output_norm = load_vector(f, "output_norm.weight", E);
