@@ -907,8 +907,8 @@ TEST(CudaSelect, BudgetCoveringTheSequenceSelectsEveryPage) {
 // chunk's statistics (unwritten ones would stay NaN: run_score poisons them) and leaves lse_total to
 // the share kernel, whose CTAs merge them. lse_total must equal the log-sum-exp of the pass's own
 // log-masses (float64 here), the empty sequence keeps -inf, and the selection must be the CPU's on
-// those log-masses. 22 chunks of 32 pages (some empty), and 141 (more than the 128 staged in shared
-// memory); G 12 is a head stride that is no power of two. A select without the statistics after a
+// those log-masses. 22 chunks of 32 pages (some empty), and 141 (more than the 128 loaded at once by
+// each warp); G 12 is a head stride that is no power of two. A select without the statistics after a
 // deferred pass fails loudly (n_selected = -1), not on a stale lse_total.
 TEST(CudaSelect, MergesTheScorePassDeferredStatistics) {
   SKIP_WITHOUT_CUDA();

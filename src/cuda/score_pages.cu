@@ -210,7 +210,8 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
     const int n_pages = p.kv.indptr[b + 1] - pbeg;
     const int last_len = p.kv.last_page_len[b];
     const uint32_t fault = sequence_fault(n_pages, last_len, min(p.log_mass_stride, n_chunks * p.chunk_pages));
-    auto chunk_stat = [&](int r) -> float2& { return reinterpret_cast<float2*>(p.chunk_stats)[(bh * n_chunks + c) * 16 + r]; };
+    // [b][h][row][chunk]: a warp of the merges below reads one head row's chunks contiguously.
+    auto chunk_stat = [&](int r) -> float2& { return reinterpret_cast<float2*>(p.chunk_stats)[(bh * 16 + r) * n_chunks + c]; };
     if (fault || n_pages == 0) {  // bad input: NaN; an empty sequence: no shares to normalise
       if (c == 0 && int(threadIdx.x) < G) p.lse_total[bh * G + threadIdx.x] = fault ? NAN : -INFINITY;
       if (c == 0 && threadIdx.x == 0 && fault) raise_status(p.status, fault);
@@ -651,7 +652,7 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
     // Last CTA of (b, h): lse_total[g] = logsumexp over every page (the share normaliser, Eq. 5).
     // The statistics of all heads and (up to 128) chunks are loaded at once: this is the kernel's tail,
     // where each further round trip adds to the step.
-    const float2* cs2 = reinterpret_cast<const float2*>(p.chunk_stats) + bh * n_chunks * 16;
+    const float2* cs2 = reinterpret_cast<const float2*>(p.chunk_stats) + bh * 16 * n_chunks;
     constexpr int HPW = (GT + kWarps - 1) / kWarps;  // heads per warp
     float2 st2[HPW][4];
 #pragma unroll
@@ -659,7 +660,7 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const int r = warp + hr * kWarps, cc = lane + 32 * k;
-        st2[hr][k] = r < G && cc < active ? __ldcg(cs2 + size_t(cc) * 16 + r) : make_float2(-INFINITY, 0.0f);
+        st2[hr][k] = r < G && cc < active ? __ldcg(cs2 + size_t(r) * n_chunks + cc) : make_float2(-INFINITY, 0.0f);
       }
 #pragma unroll
     for (int hr = 0; hr < HPW; ++hr) {
@@ -673,7 +674,7 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
         lse2_merge(m, l, st2[hr][k].x, st2[hr][k].y);
       }
       for (int cc = lane + 128; cc < active; cc += 32) {
-        const float2 v = __ldcg(cs2 + size_t(cc) * 16 + r);
+        const float2 v = __ldcg(cs2 + size_t(r) * n_chunks + cc);
         bad |= isnan(v.y);
         lse2_merge(m, l, v.x, v.y);
       }

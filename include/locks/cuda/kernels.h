@@ -123,7 +123,7 @@ struct ScoreParams {
   float* log_mass = nullptr;     // out [batch][n_head_kv][group][log_mass_stride]
   int log_mass_stride = 0;       // >= max_b n_pages_b, multiple of 8
   float* lse_total = nullptr;    // out [batch][n_head_kv][group]
-  float* chunk_stats = nullptr;  // workspace [batch][n_head_kv][n_chunks][16][2]
+  float* chunk_stats = nullptr;  // workspace [batch][n_head_kv][16][n_chunks][2]
   uint32_t* counters = nullptr;  // workspace [batch * n_head_kv + 2], zero-initialised
   int grid = 0;                  // persistent CTAs; 0: enough to fill the device
   bool pdl = false;              // launch with programmatic dependent launch
@@ -167,7 +167,7 @@ struct SelectParams {
   int32_t* n_selected = nullptr;     // out [batch][n_head_kv] = min(k, n_pages_b)
   float* shares = nullptr;           // optional out [batch][n_head_kv][log_mass_stride]
   bool pdl = false;
-  /// Nullable: the score pass's chunk statistics ([batch][n_head_kv][n_chunks][16][2], log2 units;
+  /// Nullable: the score pass's chunk statistics ([batch][n_head_kv][16][n_chunks][2], log2 units;
   /// required after a pass with defer_lse_total). Every CTA of the first kernel then merges lse_total
   /// itself (one round trip instead of the score pass's last-CTA chain), and CTA 0 of each (b, h)
   /// writes it to `lse_total` for sequences with pages, which is then an output.
