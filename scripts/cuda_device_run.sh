@@ -2,7 +2,7 @@
 # Runs on the lent H200 from the repository root, with build-cuda/dist carried (scripts/cuda_dist.sh).
 #   scripts/cuda_device_run.sh STAGE...   stages: info tests memcheck racecheck bench1 sdpa1 bench sdpa ncu
 #                                          ncuscore ncusrc ab patterns sass
-# (env: AB, AB_BATCHES for ab; NCU_BATCHES for ncu; KERNEL, SKIP for ncusrc)
+# (env: AB, AB_BATCHES for ab; NCU_BATCHES for ncu; KERNEL, SKIP for ncusrc; RACECHECK_FILTER, RACECHECK_TIMEOUT)
 # Logs and CSVs go to $OUT. Each stage has its own time limit so the whole call ends in time.
 set -u
 OUT=${OUT:-/tmp/locks-out}
@@ -33,7 +33,8 @@ for stage in "$@"; do
     racecheck)
       stamp racecheck
       timeout ${RACECHECK_TIMEOUT:-240} "$SAN" --tool racecheck --error-exitcode 9 "$DIST/bin/locks_tests" \
-        --gtest_filter='Cuda*:-CudaDecodeStep.LocksStepMatchesCpuOnRealModelKeys' > "$OUT/racecheck.log" 2>&1
+        --gtest_filter="${RACECHECK_FILTER:-Cuda*:-CudaDecodeStep.LocksStepMatchesCpuOnRealModelKeys}" \
+        > "$OUT/racecheck.log" 2>&1
       echo "racecheck rc=$?"; tail -4 "$OUT/racecheck.log" ;;
     bench1)
       stamp bench1
