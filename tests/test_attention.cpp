@@ -409,3 +409,32 @@ TEST(Attention, DecodeLargePagesOrHeadsAreCorrectOrRejected) {
     }
   }
 }
+
+// Layers, KV heads and page positions outside the cache or sequence throw std::out_of_range naming
+// them (a position past the page table used to read outside the pool).
+TEST(Attention, IndicesOutsideTheCacheThrow) {
+  std::mt19937 rng(77);
+  Fixture f = make_fixture(rng, 2, 2, 16, 83, KvDtype::F16);  // 6 pages
+  const auto q = randn(rng, 2 * 16);
+  std::vector<float> o(2 * 16);
+  auto decode = [&](int il, int h, std::vector<int32_t> pages) {
+    return test::error_of<std::out_of_range>(
+        [&] { paged_decode_attention(*f.cache, il, h, f.seq, pages, q.data(), 2, 0.25f, o.data(), nullptr); });
+  };
+  EXPECT_EQ(decode(0, 0, {0, 99}), "paged_decode_attention: page position 99 outside the sequence's 6 pages");
+  EXPECT_EQ(decode(0, 0, {-1}), "paged_decode_attention: page position -1 outside the sequence's 6 pages");
+  EXPECT_EQ(decode(2, 0, {0}), "paged_decode_attention: layer 2 outside [0, 2)");
+  EXPECT_EQ(decode(0, 2, {0}), "paged_decode_attention: KV head 2 outside [0, 2)");
+  EXPECT_EQ(decode(0, 1, {0, 5}), "no exception");
+  const auto qp = randn(rng, size_t(4) * 4 * 16);
+  std::vector<float> out(qp.size());
+  EXPECT_EQ(test::error_of<std::out_of_range>(
+                [&] { paged_prefill_attention(*f.cache, 3, f.seq, 0, 4, qp.data(), 4, 0.25f, out.data()); }),
+            "paged_prefill_attention: layer 3 outside [0, 2)");
+  EXPECT_EQ(test::error_of<std::out_of_range>(
+                [&] { paged_prefill_attention(*f.cache, 0, f.seq, 80, 4, qp.data(), 4, 0.25f, out.data()); }),
+            "paged_prefill_attention: queries [80, 84) outside the sequence's 83 tokens");
+  EXPECT_EQ(test::error_of<std::invalid_argument>(
+                [&] { paged_prefill_attention(*f.cache, 0, f.seq, 0, 4, qp.data(), 3, 0.25f, out.data()); }),
+            "paged_prefill_attention: n_head 3 is not a multiple of n_head_kv 2");
+}

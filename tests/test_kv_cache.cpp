@@ -335,3 +335,20 @@ TEST(KvCache, UnreservablePoolNamesItsSize) {
     EXPECT_NE(msg.find("1048576.0 GiB"), std::string::npos) << msg;  // 2 * (2^31 - 1) * 8 * 8 * 16 * 128 * 2 bytes
   }
 }
+
+// Indices outside the cache are refused with the index and its range, before anything is written.
+TEST(KvCache, IndicesOutsideTheCacheThrowNamingThem) {
+  PagedKvCache cache(small_cfg(4, KvDtype::F16, 1, 2, 8));
+  KvSequence s;
+  cache.append_tokens(s, 20);  // 2 pages
+  std::vector<float> k(16, 1.0f), v(16, 1.0f);
+  EXPECT_EQ(test::error_of<std::out_of_range>([&] { cache.write(5, s, 0, k.data(), v.data()); }),
+            "KV write: layer 5 outside [0, 1)");
+  EXPECT_EQ(test::error_of<std::out_of_range>([&] { cache.write(-1, s, 0, k.data(), v.data()); }),
+            "KV write: layer -1 outside [0, 1)");
+  KvSequence bad = s;
+  bad.page_table[1] = 4;  // not a page of the 4-page pool
+  EXPECT_EQ(test::error_of<std::out_of_range>([&] { cache.write(0, bad, 17, k.data(), v.data()); }),
+            "KV write: page id 4 outside the pool [0, 4)");
+  EXPECT_EQ(test::error_of<std::out_of_range>([&] { cache.check_layer_head("x", 0, 2); }), "x: KV head 2 outside [0, 2)");
+}

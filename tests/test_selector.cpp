@@ -13,6 +13,8 @@
 #include <stdexcept>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "test_util.h"
 #include "locks/kv_cache.h"
 #include "locks/model.h"
@@ -476,6 +478,44 @@ TEST(Selector, MakeSelectorByName) {
     const std::string msg = e.what();
     EXPECT_NE(msg.find("bogus"), std::string::npos) << msg;
     for (const auto& n : names) EXPECT_NE(msg.find(n), std::string::npos) << "message should list '" << n << "': " << msg;
+  }
+}
+
+// Every selector gets the same checks (Selector's non-virtual entry points): requests and filled
+// pages outside the cache throw naming the index, before the selector's own work.
+TEST(Selector, RequestsOutsideTheCacheThrow) {
+  std::mt19937 rng(5);
+  SyntheticCache sc = make_cache(rng, 16 * 6, 4);
+  const std::vector<float> q = randn(rng, size_t(2) * 64);
+  for (const char* name : {"full", "oracle", "locks", "quest", "streaming"}) {
+    SCOPED_TRACE(name);
+    auto sel = make_selector(name, sc.cfg);
+    EXPECT_EQ(test::error_of<std::out_of_range>([&] {
+                sel->on_pages_filled(*sc.cache, 0, std::vector<int32_t>{0, sc.cfg.n_pages});
+              }),
+              fmt::format("on_pages_filled: page id {} outside the pool [0, {})", sc.cfg.n_pages, sc.cfg.n_pages));
+    EXPECT_EQ(test::error_of<std::out_of_range>([&] { sel->on_pages_filled(*sc.cache, sc.cfg.n_layer, {}); }),
+              fmt::format("on_pages_filled: layer {} outside [0, {})", sc.cfg.n_layer, sc.cfg.n_layer));
+    SelectionRequest req;
+    req.q = q.data();
+    req.n_group = 2;
+    req.seq = &sc.seq;
+    req.budget_pages = 4;
+    Selection out;
+    req.kv_head = 7;
+    EXPECT_EQ(test::error_of<std::out_of_range>([&] { sel->select(*sc.cache, req, out); }),
+              fmt::format("select: KV head 7 outside [0, {})", sc.cfg.n_head_kv));
+    req.kv_head = 0;
+    req.il = -1;
+    EXPECT_EQ(test::error_of<std::out_of_range>([&] { sel->select(*sc.cache, req, out); }),
+              fmt::format("select: layer -1 outside [0, {})", sc.cfg.n_layer));
+    req.il = 0;
+    req.n_group = 0;
+    EXPECT_EQ(test::error_of<std::invalid_argument>([&] { sel->select(*sc.cache, req, out); }), "select: n_group 0 < 1");
+    req.n_group = 2;
+    req.seq = nullptr;
+    EXPECT_EQ(test::error_of<std::invalid_argument>([&] { sel->select(*sc.cache, req, out); }),
+              "select: the request needs q and seq");
   }
 }
 

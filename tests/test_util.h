@@ -5,6 +5,8 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 namespace locks::test {
@@ -31,6 +33,19 @@ inline double ref_lse(const float* keys, int n, const float* q, int d, double sc
   double l = 0.0;
   for (int i = 0; i < n; ++i) l += std::exp(z[i] - m);
   return m + std::log(l);
+}
+
+/// The message of the exception of type E that fn throws ("no exception" / "other exception").
+template <class E, class Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const E& e) {
+    return e.what();
+  } catch (...) {
+    return "other exception";
+  }
+  return "no exception";
 }
 
 }  // namespace locks::test

@@ -52,6 +52,14 @@ class PagedKvCache {
   explicit PagedKvCache(const KvCacheConfig& cfg);
 
   const KvCacheConfig& config() const { return cfg_; }
+  /// Throws std::out_of_range naming `what` unless 0 <= il < n_layer and 0 <= kv_head < n_head_kv
+  /// (the checks of the public entry points: write, attention, selectors).
+  void check_layer_head(const char* what, int il, int kv_head = 0) const;
+  /// Throws std::out_of_range naming `what` unless position j of seq's page table exists and holds a
+  /// page id of this pool.
+  void check_page_position(const char* what, const KvSequence& seq, int32_t j) const;
+  /// Throws std::out_of_range naming `what` unless 0 <= page < n_pages.
+  void check_page_id(const char* what, int32_t page) const;
   int page_size() const { return cfg_.page_size; }
   int n_free_pages() const { return static_cast<int>(free_.size()); }
 
@@ -64,7 +72,8 @@ class PagedKvCache {
   void release(KvSequence& seq);
 
   /// Store k, v ([n_head_kv][head_dim] float32 each) of token `pos` of `seq` in layer `il`.
-  /// Throws std::invalid_argument when k or v holds NaN/Inf, or (f16 cache) a value beyond +-65504 that
+  /// Throws std::out_of_range for a layer, position or page id outside the cache or sequence, and
+  /// std::invalid_argument when k or v holds NaN/Inf, or (f16 cache) a value beyond +-65504 that
   /// would be stored as inf: a NaN or inf key would poison every score.
   void write(int il, const KvSequence& seq, int32_t pos, const float* k, const float* v);
 

@@ -59,11 +59,13 @@ class Selector {
  public:
   virtual ~Selector() = default;
   virtual std::string name() const = 0;
-  /// Pages just filled in layer `il` (their K is final). Selectors build per-page metadata here.
-  virtual void on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) {}
-  /// Choose the pages for one GQA group. Must always include page 0 (sink) and the last page
-  /// (recent) and at most max(budget_pages, 2) pages.
-  virtual void select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out) = 0;
+  /// Pages just filled in layer `il` (their K is final), as page ids of the pool. Selectors build
+  /// per-page metadata here. Throws std::out_of_range for a layer or page id outside the cache.
+  void on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids);
+  /// Choose the pages for one GQA group: always page 0 (sink) and the last page (recent), at most
+  /// max(budget_pages, 2) pages. Throws std::invalid_argument for a request without q or sequence,
+  /// or with n_group < 1, and std::out_of_range for a layer or KV head outside the cache.
+  void select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out);
   /// Deep copy (metadata included), so an evaluation can fork a prefilled sequence.
   virtual std::unique_ptr<Selector> clone() const = 0;
   /// Keys of a full page as the selector's metadata represents them (e.g. LOCKS: mu + V c_i),
@@ -73,6 +75,11 @@ class Selector {
   /// A selector may do here work that its first select() would otherwise do, where doing it now
   /// gives the same result (Session::prepare_selector, so that forks share it).
   virtual void prepare_for_decode(const PagedKvCache& cache, const KvSequence& seq) {}
+
+ protected:
+  /// What on_pages_filled and select do once they have checked their arguments.
+  virtual void do_on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) {}
+  virtual void do_select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out) = 0;
 };
 
 struct SelectorOptions {

@@ -23,6 +23,9 @@ void paged_decode_attention(const PagedKvCache& cache, int il, int kv_head, cons
         "paged_decode_attention: page_size {} x head_dim {} exceeds the kernel's limits (page_size <= {}, "
         "page_size * head_dim <= {})",
         B, d, kMaxPage, kMaxPageElems));
+  cache.check_layer_head("paged_decode_attention", il, kv_head);
+  if (n_group < 1) throw std::invalid_argument(fmt::format("paged_decode_attention: n_group {} < 1", n_group));
+  for (int32_t j : pages) cache.check_page_position("paged_decode_attention", seq, j);
   alignas(64) float kbuf[kMaxPageElems];
   alignas(64) float vbuf[kMaxPageElems];
   std::vector<SoftmaxState> st(n_group);

@@ -115,9 +115,29 @@ void PagedKvCache::release(KvSequence& seq) {
   seq.n_tokens = 0;
 }
 
+void PagedKvCache::check_layer_head(const char* what, int il, int kv_head) const {
+  if (il < 0 || il >= cfg_.n_layer)
+    throw std::out_of_range(fmt::format("{}: layer {} outside [0, {})", what, il, cfg_.n_layer));
+  if (kv_head < 0 || kv_head >= cfg_.n_head_kv)
+    throw std::out_of_range(fmt::format("{}: KV head {} outside [0, {})", what, kv_head, cfg_.n_head_kv));
+}
+
+void PagedKvCache::check_page_id(const char* what, int32_t page) const {
+  if (page < 0 || page >= cfg_.n_pages)
+    throw std::out_of_range(fmt::format("{}: page id {} outside the pool [0, {})", what, page, cfg_.n_pages));
+}
+
+void PagedKvCache::check_page_position(const char* what, const KvSequence& seq, int32_t j) const {
+  if (j < 0 || j >= seq.n_pages())
+    throw std::out_of_range(fmt::format("{}: page position {} outside the sequence's {} pages", what, j, seq.n_pages()));
+  check_page_id(what, seq.page_table[j]);
+}
+
 void PagedKvCache::write(int il, const KvSequence& seq, int32_t pos, const float* k, const float* v) {
+  check_layer_head("KV write", il);
   if (pos < 0 || pos >= seq.n_tokens)
     throw std::out_of_range(fmt::format("KV write: position {} outside sequence of {} tokens", pos, seq.n_tokens));
+  check_page_position("KV write", seq, pos / cfg_.page_size);
   const int d = cfg_.head_dim;
   for (int i = 0; i < cfg_.n_head_kv * d; ++i)
     if (!std::isfinite(k[i]) || !std::isfinite(v[i]))

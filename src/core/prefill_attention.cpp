@@ -5,7 +5,11 @@
 #include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <stdexcept>
 #include <vector>
+
+#include <fmt/format.h>
 
 #include "locks/attention.h"
 #include "locks/math.h"
@@ -22,6 +26,15 @@ void paged_prefill_attention(const PagedKvCache& cache, int il, const KvSequence
                              const float* q, int n_head, float scale, float* out, int first_query) {
   const auto& cfg = cache.config();
   const int d = cfg.head_dim, B = cfg.page_size, H = cfg.n_head_kv;
+  // Checked here, before the parallel region (an exception cannot leave an OpenMP region).
+  cache.check_layer_head("paged_prefill_attention", il);
+  if (n_head < H || n_head % H != 0)
+    throw std::invalid_argument(
+        fmt::format("paged_prefill_attention: n_head {} is not a multiple of n_head_kv {}", n_head, H));
+  if (pos0 < 0 || n_q < 0 || int64_t(pos0) + n_q > seq.n_tokens)
+    throw std::out_of_range(fmt::format("paged_prefill_attention: queries [{}, {}) outside the sequence's {} tokens",
+                                        pos0, int64_t(pos0) + n_q, seq.n_tokens));
+  for (int32_t j = 0; j < (seq.n_tokens + B - 1) / B; ++j) cache.check_page_position("paged_prefill_attention", seq, j);
   const int G = n_head / H;
   const int n_qblocks = (n_q + kQueryBlock - 1) / kQueryBlock;
   const int n_tasks = H * n_qblocks;

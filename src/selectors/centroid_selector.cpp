@@ -26,7 +26,7 @@ CentroidSelector::CentroidSelector(const KvCacheConfig& cfg, int centroid_bits, 
   store_ = PageBlobStore(cfg, page_bytes(cfg.head_dim, centroid_bits));
 }
 
-void CentroidSelector::on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) {
+void CentroidSelector::do_on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) {
   const int B = cache.page_size(), d = cache.config().head_dim;
   for_each_page_head(cache, il, page_ids, [&](const float* keys, int l, int h, int32_t page) {
     std::vector<double> mu(d, 0.0);

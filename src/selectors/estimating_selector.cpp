@@ -16,7 +16,7 @@ PageBlobStore::PageBlobStore(const KvCacheConfig& cfg, size_t blob_bytes)
   valid_ = ZeroedArray<uint8_t>(n);
 }
 
-void EstimatingSelector::select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out) {
+void EstimatingSelector::do_select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out) {
   std::vector<float> log_mass;
   const size_t bytes = estimate(cache, req, log_mass);
   const int n_pages = req.seq->n_pages();

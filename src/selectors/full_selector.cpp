@@ -5,7 +5,7 @@
 
 namespace locks {
 
-void FullSelector::select(const PagedKvCache&, const SelectionRequest& req, Selection& out) {
+void FullSelector::do_select(const PagedKvCache&, const SelectionRequest& req, Selection& out) {
   out.pages.resize(req.seq->n_pages());
   std::iota(out.pages.begin(), out.pages.end(), 0);
   out.bytes_read = 0;

@@ -37,7 +37,7 @@ GlobalBasisSelector::GlobalBasisSelector(const KvCacheConfig& cfg, const Summary
                                               b.size(), g.rank, g.head_dim));
 }
 
-void GlobalBasisSelector::on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) {
+void GlobalBasisSelector::do_on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) {
   for_each_page_head(cache, il, page_ids, [&](const float* keys, int l, int h, int32_t page) {
     pages_.build(l, h, page, keys, global_->of(l, h));  // the first rho rows
   });

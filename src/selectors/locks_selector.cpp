@@ -14,7 +14,7 @@ LocksSelector::LocksSelector(const KvCacheConfig& cfg, const SummaryFormat& fmt,
 
 std::string LocksSelector::name() const { return "locks"; }
 
-void LocksSelector::on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) {
+void LocksSelector::do_on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) {
   const auto& cfg = cache.config();
   const int n = static_cast<int>(page_ids.size()) * cfg.n_head_kv;
   // Alg. 1 for every (page, KV head): independent, so batched across cores. An exception may not
@@ -36,7 +36,7 @@ void LocksSelector::on_pages_filled(const PagedKvCache& cache, int il, std::span
   if (error) std::rethrow_exception(error);
 }
 
-void LocksSelector::select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out) {
+void LocksSelector::do_select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out) {
   const auto& cfg = cache.config();
   const int d = cfg.head_dim, B = cfg.page_size, n_pages = req.seq->n_pages();
   const float scale = 1.0f / std::sqrt(float(d));

@@ -7,7 +7,7 @@
 
 namespace locks {
 
-void OracleSelector::select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out) {
+void OracleSelector::do_select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out) {
   const auto& cfg = cache.config();
   const int d = cfg.head_dim, B = cfg.page_size, n_pages = req.seq->n_pages();
   const float scale = 1.0f / std::sqrt(float(d));

@@ -20,7 +20,7 @@ namespace locks {
 QuestSelector::QuestSelector(const KvCacheConfig& cfg, GroupRule rule)
     : EstimatingSelector(rule), store_(cfg, page_bytes(cfg.head_dim)) {}
 
-void QuestSelector::on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) {
+void QuestSelector::do_on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) {
   const int B = cache.page_size(), d = cache.config().head_dim;
   for_each_page_head(cache, il, page_ids, [&](const float* keys, int l, int h, int32_t page) {
     f16_t* mm = reinterpret_cast<f16_t*>(store_.blob(l, h, page));  // [2][d]: min, max

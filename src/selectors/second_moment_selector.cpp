@@ -41,7 +41,7 @@ SecondMomentSelector::SecondMomentSelector(const KvCacheConfig& cfg, const Summa
   dec_ = ZeroedArray<float>(store_.slots() * dec_stride_);
 }
 
-void SecondMomentSelector::on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) {
+void SecondMomentSelector::do_on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) {
   const int B = cache.page_size(), d = d_, r = fmt_.rank;
   const size_t mu_bytes = qvec::bytes(size_t(d), fmt_.centroid_bits), col_bytes = qvec::bytes(size_t(d), fmt_.basis_bits);
   for_each_page_head(cache, il, page_ids, [&](const float* keys, int l, int h, int32_t page) {

@@ -16,7 +16,7 @@ namespace locks {
 class FullSelector final : public Selector {
  public:
   std::string name() const override { return "full"; }
-  void select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out) override;
+  void do_select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out) override;
   std::unique_ptr<Selector> clone() const override { return std::make_unique<FullSelector>(*this); }
 };
 
@@ -24,7 +24,7 @@ class OracleSelector final : public Selector {
  public:
   explicit OracleSelector(GroupRule rule) : rule_(rule) {}
   std::string name() const override { return "oracle"; }
-  void select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out) override;
+  void do_select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out) override;
   std::unique_ptr<Selector> clone() const override { return std::make_unique<OracleSelector>(*this); }
 
  private:
@@ -35,8 +35,8 @@ class LocksSelector final : public Selector {
  public:
   LocksSelector(const KvCacheConfig& cfg, const SummaryFormat& fmt, GroupRule rule);
   std::string name() const override;
-  void on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) override;
-  void select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out) override;
+  void do_on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) override;
+  void do_select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out) override;
   std::unique_ptr<Selector> clone() const override { return std::make_unique<LocksSelector>(*this); }
   bool reconstruct_keys(int il, int kv_head, int32_t page, float* out) const override;
   const PageSummaryStore& store() const { return store_; }
@@ -81,7 +81,7 @@ class EstimatingSelector : public Selector {
  public:
   explicit EstimatingSelector(GroupRule rule) : rule_(rule) {}
   /// estimate() then select_top_pages(rule); the estimates go to out.log_mass when requested.
-  void select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out) override;
+  void do_select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out) override;
   /// Per-head page estimates log_mass[g * n_pages + j] ([n_group][n_pages]) for the request;
   /// returns the bytes read to produce them. Non-const: `sequence-basis` fits its basis lazily.
   virtual size_t estimate(const PagedKvCache& cache, const SelectionRequest& req, std::vector<float>& log_mass) = 0;
@@ -107,7 +107,7 @@ class QuestSelector final : public EstimatingSelector {
  public:
   QuestSelector(const KvCacheConfig& cfg, GroupRule rule);
   std::string name() const override { return "quest"; }
-  void on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) override;
+  void do_on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) override;
   size_t estimate(const PagedKvCache& cache, const SelectionRequest& req, std::vector<float>& log_mass) override;
   std::unique_ptr<Selector> clone() const override { return std::make_unique<QuestSelector>(*this); }
   static size_t page_bytes(int head_dim) { return 4 * size_t(head_dim); }
@@ -122,7 +122,7 @@ class CentroidSelector final : public EstimatingSelector {
  public:
   CentroidSelector(const KvCacheConfig& cfg, int centroid_bits, GroupRule rule);
   std::string name() const override { return "centroid"; }
-  void on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) override;
+  void do_on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) override;
   size_t estimate(const PagedKvCache& cache, const SelectionRequest& req, std::vector<float>& log_mass) override;
   std::unique_ptr<Selector> clone() const override { return std::make_unique<CentroidSelector>(*this); }
   /// Every token of the page represented by the page mean.
@@ -143,7 +143,7 @@ class SecondMomentSelector final : public EstimatingSelector {
  public:
   SecondMomentSelector(const KvCacheConfig& cfg, const SummaryFormat& fmt, GroupRule rule);
   std::string name() const override { return "second-moment"; }
-  void on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) override;
+  void do_on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) override;
   size_t estimate(const PagedKvCache& cache, const SelectionRequest& req, std::vector<float>& log_mass) override;
   std::unique_ptr<Selector> clone() const override { return std::make_unique<SecondMomentSelector>(*this); }
   /// centroid + r * (direction + standard deviation) bytes.
@@ -207,7 +207,7 @@ class SequenceBasisSelector final : public EstimatingSelector {
  public:
   SequenceBasisSelector(const KvCacheConfig& cfg, const SummaryFormat& fmt, int rho, GroupRule rule);
   std::string name() const override { return "sequence-basis"; }
-  void on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) override;
+  void do_on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) override;
   size_t estimate(const PagedKvCache& cache, const SelectionRequest& req, std::vector<float>& log_mass) override;
   std::unique_ptr<Selector> clone() const override { return std::make_unique<SequenceBasisSelector>(*this); }
   bool reconstruct_keys(int il, int kv_head, int32_t page, float* out) const override;
@@ -236,7 +236,7 @@ class GlobalBasisSelector final : public EstimatingSelector {
   GlobalBasisSelector(const KvCacheConfig& cfg, const SummaryFormat& fmt, int rho,
                       std::shared_ptr<const GlobalBasis> basis, GroupRule rule);
   std::string name() const override { return "global-basis"; }
-  void on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) override;
+  void do_on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) override;
   size_t estimate(const PagedKvCache& cache, const SelectionRequest& req, std::vector<float>& log_mass) override;
   std::unique_ptr<Selector> clone() const override { return std::make_unique<GlobalBasisSelector>(*this); }
   bool reconstruct_keys(int il, int kv_head, int32_t page, float* out) const override;
@@ -251,7 +251,7 @@ class GlobalBasisSelector final : public EstimatingSelector {
 class StreamingSelector final : public Selector {
  public:
   std::string name() const override { return "streaming"; }
-  void select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out) override;
+  void do_select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out) override;
   std::unique_ptr<Selector> clone() const override { return std::make_unique<StreamingSelector>(*this); }
 };
 

@@ -55,7 +55,7 @@ void SequenceBasisSelector::prepare_for_decode(const PagedKvCache& cache, const 
   if (error) std::rethrow_exception(error);
 }
 
-void SequenceBasisSelector::on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) {
+void SequenceBasisSelector::do_on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) {
   // Before the fit nothing is built: the fit projects every full page of the sequence.
   bool any_fitted = false;
   for (int h = 0; h < n_head_kv_; ++h) any_fitted = any_fitted || !basis_[size_t(il) * n_head_kv_ + h].empty();

@@ -7,7 +7,7 @@
 
 namespace locks {
 
-void StreamingSelector::select(const PagedKvCache&, const SelectionRequest& req, Selection& out) {
+void StreamingSelector::do_select(const PagedKvCache&, const SelectionRequest& req, Selection& out) {
   const int n_pages = req.seq->n_pages(), k = std::max(req.budget_pages, 2);
   out.pages.clear();
   if (n_pages <= k) {
