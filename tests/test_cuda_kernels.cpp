@@ -663,6 +663,13 @@ TEST(CudaPack, RecordRoundTripMatchesCpuStore) {
   }
   EXPECT_EQ(lc::summary_record_bytes(128), 832u);
   EXPECT_EQ(lc::summary_record_bytes(64), 512u);
+  EXPECT_EQ(lc::summary_record_bytes(96), 0u) << "no device format at head_dim 96";
+  EXPECT_EQ(lc::describe_decode_status(lc::kStatusBadPageId | lc::kStatusBadLastPageLen),
+            "last_page_len outside 1..16; page id outside [0, n_pages_pool)");
+  EXPECT_EQ(lc::describe_decode_status(0u), "");
+  EXPECT_EQ(lc::describe_decode_status(lc::kStatusBadPageCount | 0x40u),
+            "page count out of range (indptr descending, or more pages than the plan covers: max_pages); unknown "
+            "status bits 0x40");
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1237,8 +1244,6 @@ TEST(CudaDecodeStep, BadPageTablesGiveNaNAndStatusOthersUnaffected) {
                   dense ? "dense" : "locks", plan.defer_lse_total ? " deferred merge" : "", cases.size());
     }
   }
-  EXPECT_EQ(lc::describe_decode_status(lc::kStatusBadPageId | lc::kStatusBadLastPageLen),
-            "last_page_len outside 1..16; page id outside [0, n_pages_pool)");
 }
 
 TEST(CudaDecodeStep, LocksStepMatchesCpuOnRealModelKeys) {

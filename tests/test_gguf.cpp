@@ -395,6 +395,25 @@ TEST_F(GgufModels, HostileSizeKeysNameTheKey) {
                         n_vocab + 1, n_vocab));
 }
 
+// A hostile architecture string is named with its bytes escaped (a control byte in a terminal
+// message would garble it).
+TEST_F(GgufModels, UnsupportedArchitectureIsEscaped) {
+  std::ifstream in(test::source_path("models/locks-ref-a-q8_0.gguf"), std::ios::binary);
+  std::vector<uint8_t> b((std::istreambuf_iterator<char>(in)), {});
+  const std::string key = "general.architecture";
+  const auto it = std::search(b.begin(), b.end(), key.begin(), key.end());
+  ASSERT_NE(it, b.end());
+  const size_t at = size_t(it - b.begin()) + key.size() + 4 + 8;  // type (u32), length (u64), bytes
+  ASSERT_EQ(std::string(b.begin() + at, b.begin() + at + 5), "llama");
+  b[at + 3] = 0x9f;
+  try {
+    LlamaModel::from_gguf(GgufFile::from_bytes(b, "m.gguf"));
+    FAIL() << "loaded";
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "GGUF 'm.gguf': architecture 'lla\\x9fa' is not supported (expected llama)");
+  }
+}
+
 TEST_F(GgufModels, LocksRefMetadataAndShapes) {
   const GgufFile f = GgufFile::open(test::shared_path("models/locks-ref-a-q8_0.gguf"));
   EXPECT_EQ(f.version(), 3u);

@@ -2,12 +2,17 @@
 // and float64 logits / greedy tokens of locks-ref-a computed on the dequantized weights.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <fstream>
+#include <iterator>
+#include <limits>
 
 #include <nlohmann/json.hpp>
 
 #include "locks/generate.h"
+#include "locks/gguf.h"
 #include "locks/model.h"
 #include "locks/session.h"
 #include "test_paths.h"
@@ -75,5 +80,33 @@ TEST(ModelReference, LocksRefLogitsAndGreedyMatchFloat64) {
       const auto r = generate(g, prompt, go);
       EXPECT_EQ(r.generated_ids, greedy) << "kv " << kv_dtype_name(kv);
     }
+  }
+}
+
+// NaN weights (layer 0's attention norm) surface as an error naming the model and the layer, not
+// only the KV cache that refuses the key.
+TEST(ModelReference, NanWeightsNameTheModel) {
+  std::ifstream in(test::source_path("models/locks-ref-a-q8_0.gguf"), std::ios::binary);
+  std::vector<uint8_t> b((std::istreambuf_iterator<char>(in)), {});
+  {
+    const GgufFile f = GgufFile::from_bytes(b, "m.gguf");
+    const GgufTensorInfo* t = f.find_tensor("blk.0.attn_norm.weight");
+    ASSERT_NE(t, nullptr);
+    ASSERT_EQ(t->type, uint32_t(GgmlType::F32));
+    const auto at = std::search(b.begin(), b.end(), t->data, t->data + t->n_bytes);
+    ASSERT_NE(at, b.end());
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    for (uint64_t i = 0; i < t->n_bytes; i += 4) std::memcpy(&*(at + i), &nan, 4);
+  }
+  const LlamaModel model = LlamaModel::from_gguf(GgufFile::from_bytes(b, "m.gguf"));
+  Session s(model, SessionConfig{});
+  try {
+    s.prefill(std::vector<int32_t>{1, 2, 3});
+    FAIL() << "NaN weights gave no error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("the forward pass gave token 0 of layer 0 a key or value the KV cache cannot "
+                                         "store (NaN/Inf in the weights?): KV write: non-finite key at layer 0"),
+              std::string::npos)
+        << e.what();
   }
 }

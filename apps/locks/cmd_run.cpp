@@ -41,6 +41,7 @@ struct RunArgs {
   std::string kv_dtype = "f16";
   bool json = false;
   bool prompt_given = false;  // -p was passed (an empty prompt then means BOS only)
+  bool rank_given = false, basis_bits_given = false, group_rule_given = false;
 };
 
 // A prompt larger than this cannot fit any context the tool supports (16M tokens at ~4 bytes each).
@@ -69,6 +70,16 @@ int run(const RunArgs& a) {
   const std::string model_path = a.model.empty() ? default_model_path() : a.model;
   const LlamaModel model = LlamaModel::load(model_path);
   const std::vector<int32_t> ids = model.tokenizer.encode(prompt, true);
+
+  // Options a selector does not use would silently not apply (eval refuses them in a selector spec).
+  auto ignored = [&](bool given, const char* opt, bool applies) {
+    if (given && !applies)
+      fmt::print(stderr, "[locks] warning: {} does not apply to selector '{}': ignored\n", opt, a.selector);
+  };
+  const bool summary_selector = a.selector == "locks" || a.selector == "second-moment" || a.selector == "sequence-basis";
+  ignored(a.rank_given, "-r/--rank", summary_selector);
+  ignored(a.basis_bits_given, "--basis-bits", summary_selector);
+  ignored(a.group_rule_given, "--group-rule", a.selector != "full" && a.selector != "streaming");
 
   SessionConfig sc;
   sc.selector = a.selector;
@@ -117,10 +128,10 @@ int run(const RunArgs& a) {
     std::fputs("\n", stdout);
     std::fflush(stdout);
     fmt::print(stderr,
-               "[locks] selector={} budget={} tokens | prompt {} tokens | prefill {:.2f} s ({:.0f} tok/s) | "
+               "[locks] selector={} budget={} | prompt {} tokens | prefill {:.2f} s ({:.0f} tok/s) | "
                "decode {} steps, {:.1f} tok/s | attention read/step {:.1f} KiB vs dense {:.1f} KiB "
                "(ratio {:.3f}, {:.1f}x fewer)\n",
-               a.selector, a.budget, r.prompt_ids.size(), r.prefill_seconds, prefill_tps, r.decode.steps, decode_tps,
+               a.selector, a.selector == "full" ? std::string("all pages") : fmt::format("{} tokens", a.budget), r.prompt_ids.size(), r.prefill_seconds, prefill_tps, r.decode.steps, decode_tps,
                bytes_step / 1024.0, dense_step / 1024.0, ratio, ratio > 0 ? 1.0 / ratio : 0.0);
   }
   return 0;
@@ -147,15 +158,17 @@ Runner add_run(CLI::App& app) {
       ->transform(decimal_integer())
       ->check(CLI::Range(32, kMaxContextTokens))
       ->capture_default_str();
-  app.add_option("-r,--rank", a->rank, "LOCKS summary rank r (1..16)")
+  CLI::Option* rank_opt = app.add_option("-r,--rank", a->rank, "LOCKS summary rank r (1..16)")
       ->transform(decimal_integer())
       ->check(CLI::Range(1, 16))
       ->capture_default_str();
-  app.add_option("--basis-bits", a->basis_bits, "LOCKS basis precision: 32 (f32), 16 (bf16), 8, 4 or 2 bits")
+  CLI::Option* basis_opt =
+      app.add_option("--basis-bits", a->basis_bits, "LOCKS basis precision: 32 (f32), 16 (bf16), 8, 4 or 2 bits")
       ->transform(decimal_integer())
       ->check(CLI::IsMember({32, 16, 8, 4, 2}))
       ->capture_default_str();
-  app.add_option("--group-rule", a->group_rule, "how the GQA group shares one page set: share-average, max, mass-sum")
+  CLI::Option* rule_opt =
+      app.add_option("--group-rule", a->group_rule, "how the GQA group shares one page set: share-average, max, mass-sum")
       ->check(CLI::IsMember({"share-average", "max", "mass-sum"}))
       ->capture_default_str();
   app.add_option("-n,--max-tokens", a->max_tokens, "tokens to generate")
@@ -186,8 +199,11 @@ Runner add_run(CLI::App& app) {
       ->check(CLI::IsMember({"f16", "f32"}))
       ->capture_default_str();
   app.add_flag("--json", a->json, "print one JSON object instead of streamed text and a stats line");
-  return [a, prompt_opt] {
+  return [a, prompt_opt, rank_opt, basis_opt, rule_opt] {
     a->prompt_given = prompt_opt->count() > 0;
+    a->rank_given = rank_opt->count() > 0;
+    a->basis_bits_given = basis_opt->count() > 0;
+    a->group_rule_given = rule_opt->count() > 0;
     if (!std::isfinite(a->temperature)) throw CLI::ValidationError("--temperature", "must be a finite number");
     if (!(a->top_p > 0.0f && a->top_p <= 1.0f)) throw CLI::ValidationError("--top-p", "must be in (0, 1]");
     if (a->budget % 16 != 0)

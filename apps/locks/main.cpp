@@ -16,6 +16,7 @@ int main(int argc, char** argv) {
   CLI::App app{"locks: LOCKS sparse decode attention (page-local compact key summaries) on a CPU Llama engine",
                "locks"};
   app.require_subcommand(0, 1);
+  app.set_version_flag("--version", std::string("locks ") + LOCKS_VERSION);
   std::map<CLI::App*, locks::cli::Runner> runners;
   auto add = [&](const char* name, const char* desc, locks::cli::Runner (*fn)(CLI::App&)) {
     CLI::App* sub = app.add_subcommand(name, desc);
@@ -26,7 +27,8 @@ int main(int argc, char** argv) {
   add("eval", "needle-retrieval accuracy of selectors on real held-out text", locks::cli::add_eval);
   // `run` is the default subcommand: `locks -p TEXT ...` means `locks run -p TEXT ...`.
   std::vector<std::string> args(argv + 1, argv + argc);
-  if (!args.empty() && args[0].size() > 1 && args[0][0] == '-' && args[0] != "-h" && args[0] != "--help")
+  if (!args.empty() && args[0].size() > 1 && args[0][0] == '-' && args[0] != "-h" && args[0] != "--help" &&
+      args[0] != "--version")
     args.insert(args.begin(), "run");
   std::reverse(args.begin(), args.end());  // CLI11 takes the vector form in reverse order
   try {
@@ -35,6 +37,8 @@ int main(int argc, char** argv) {
     return app.exit(e);  // prints the help of the (sub)command asked about
   } catch (const CLI::CallForAllHelp& e) {
     return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);  // prints "locks X.Y.Z"
   } catch (const CLI::ParseError& e) {
     fmt::print(stderr, "locks: error: {}\n", e.what());
     return 2;

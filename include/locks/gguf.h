@@ -19,6 +19,11 @@ enum class GgmlType : uint32_t { F32 = 0, F16 = 1, Q4_0 = 2, Q8_0 = 8, BF16 = 30
 /// Name of a ggml type id ("F32", "Q8_0", ...); "type#N" for ids we do not decode.
 std::string ggml_type_name(uint32_t type);
 
+/// A string from a GGUF file (key, tensor name, metadata value) for an error message: in single
+/// quotes, non-printable bytes and backslashes as \xNN, cut at 96 bytes (hostile files put arbitrary
+/// bytes of any length there).
+std::string gguf_quoted(std::string_view s);
+
 /// One GGUF metadata value. Arrays hold a homogeneous vector of one scalar type or strings.
 struct GgufValue {
   enum class Type : uint32_t {

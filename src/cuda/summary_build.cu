@@ -338,7 +338,9 @@ cudaError_t launch_build(const SummaryBuildParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-size_t summary_record_bytes(int head_dim) { return layout::record_bytes(head_dim); }
+size_t summary_record_bytes(int head_dim) {
+  return head_dim == 64 || head_dim == 128 ? layout::record_bytes(head_dim) : 0;
+}
 
 cudaError_t summary_build(const SummaryBuildParams& p, cudaStream_t stream) {
   if (p.n_pages <= 0 || p.n_head_kv <= 0) return cudaSuccess;

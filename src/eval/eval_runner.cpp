@@ -154,6 +154,7 @@ SelectorSpec parse_selector_spec(const std::string& spec, const SummaryFormat& b
     if (end == std::string::npos) end = spec.size();
     const std::string part = spec.substr(start, end - start);
     if (first) {
+      if (part.empty()) throw std::invalid_argument(fmt::format("selector '{}': empty selector name", spec));
       s.name = part;
       first = false;
     } else {

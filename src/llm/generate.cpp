@@ -1,5 +1,6 @@
 #include "locks/generate.h"
 
+#include <algorithm>
 #include <chrono>
 #include <span>
 #include <stdexcept>
@@ -20,9 +21,12 @@ GenerateResult generate(Session& session, const std::vector<int32_t>& prompt_ids
     throw std::invalid_argument(fmt::format("decode tail {} must be in [0, {}) for a prompt of {}",
                                             opts.decode_tail, n_prompt, tokens(n_prompt)));
   if (opts.max_tokens < 0) throw std::invalid_argument("max tokens must be >= 0");
-  if (int64_t(n_prompt) + opts.max_tokens > session.n_ctx())
-    throw std::length_error(fmt::format("prompt of {} + {} to generate exceeds the context size of {}",
-                                        tokens(n_prompt), opts.max_tokens, tokens(session.n_ctx())));
+  // The last generated token is sampled, never decoded: the cache holds n_prompt + max_tokens - 1.
+  const int64_t positions = int64_t(n_prompt) + std::max(opts.max_tokens - 1, 0);
+  if (positions > session.n_ctx())
+    throw std::length_error(fmt::format("prompt of {} + {} to generate needs {} KV-cache positions, more than the "
+                                        "context size of {}",
+                                        tokens(n_prompt), opts.max_tokens, positions, tokens(session.n_ctx())));
   GenerateResult res;
   res.prompt_ids = prompt_ids;
   const int n_prefill = n_prompt - opts.decode_tail;

@@ -84,25 +84,6 @@ bool tensor_block(uint32_t type, uint64_t& block_elems, uint64_t& block_bytes) {
   return false;
 }
 
-// A key or tensor name for an error message: quoted, non-printable bytes escaped, and cut short,
-// since hostile files put arbitrary bytes of any length there.
-std::string quoted(std::string_view s) {
-  constexpr size_t kMax = 96;
-  std::string out = "'";
-  for (size_t i = 0; i < s.size() && i < kMax; ++i) {
-    const auto c = static_cast<unsigned char>(s[i]);
-    if (c >= 0x20 && c < 0x7f && c != '\\') {
-      out += static_cast<char>(c);
-    } else {
-      char buf[8];
-      std::snprintf(buf, sizeof buf, "\\x%02x", c);
-      out += buf;
-    }
-  }
-  if (s.size() > kMax) out += "...(" + std::to_string(s.size()) + " bytes)";
-  return out + "'";
-}
-
 uint16_t load_u16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
 uint32_t load_u32(const uint8_t* p) {
   return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) |
@@ -258,6 +239,23 @@ void tensor_size(uint32_t type, const std::vector<uint64_t>& ne, uint64_t& n_ele
 
 }  // namespace
 
+std::string gguf_quoted(std::string_view s) {
+  constexpr size_t kMax = 96;
+  std::string out = "'";
+  for (size_t i = 0; i < s.size() && i < kMax; ++i) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    if (c >= 0x20 && c < 0x7f && c != '\\') {
+      out += static_cast<char>(c);
+    } else {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\x%02x", c);
+      out += buf;
+    }
+  }
+  if (s.size() > kMax) out += "...(" + std::to_string(s.size()) + " bytes)";
+  return out + "'";
+}
+
 std::string ggml_type_name(uint32_t type) {
   switch (static_cast<GgmlType>(type)) {
     case GgmlType::F32: return "F32";
@@ -329,7 +327,7 @@ GgufFile GgufFile::from_bytes(std::vector<uint8_t> bytes, std::string name) {
   for (uint64_t i = 0; i < n_kv; ++i) {
     r.set_context("metadata #" + std::to_string(i));
     std::string key = r.str("key");
-    r.set_context("key " + quoted(key));
+    r.set_context("key " + gguf_quoted(key));
     if (f.kv_.count(key)) r.fail("duplicate key");
     const uint32_t t = r.u32("value type");
     if (!valid_value_type(t)) r.fail("unknown value type " + std::to_string(t));
@@ -361,7 +359,7 @@ GgufFile GgufFile::from_bytes(std::vector<uint8_t> bytes, std::string name) {
     r.set_context("tensor info #" + std::to_string(i));
     GgufTensorInfo t;
     t.name = r.str("tensor name");
-    r.set_context("tensor " + quoted(t.name));
+    r.set_context("tensor " + gguf_quoted(t.name));
     if (!names.insert(t.name).second) r.fail("duplicate tensor name");
     const uint32_t n_dims = r.u32("n_dims");
     if (n_dims == 0 || n_dims > kMaxDims) {
@@ -387,7 +385,7 @@ GgufFile GgufFile::from_bytes(std::vector<uint8_t> bytes, std::string name) {
   const uint64_t data_size = data_in_file ? b.size() - data_start : 0;
   for (auto& t : f.tensors_) {
     if (!data_in_file || t.offset > data_size || t.n_bytes > data_size - t.offset) {
-      r.set_context("tensor " + quoted(t.name));
+      r.set_context("tensor " + gguf_quoted(t.name));
       const bool abs_ok = data_in_file && t.offset <= std::numeric_limits<uint64_t>::max() - data_start;
       r.fail("data runs past end of file (offset " +
              (abs_ok ? std::to_string(data_start + t.offset)
@@ -410,7 +408,7 @@ const GgufValue* GgufFile::find(std::string_view key) const {
 namespace {
 
 [[noreturn]] void key_error(const std::string& file, std::string_view key, const std::string& what) {
-  throw std::runtime_error("GGUF '" + file + "': key " + quoted(key) + ": " + what);
+  throw std::runtime_error("GGUF '" + file + "': key " + gguf_quoted(key) + ": " + what);
 }
 
 // Integer value as a signed 128-bit-free pair: fits when it lies in [lo, hi].
@@ -527,12 +525,12 @@ const GgufTensorInfo* GgufFile::find_tensor(std::string_view name) const {
 
 const GgufTensorInfo& GgufFile::tensor(std::string_view name) const {
   if (const GgufTensorInfo* t = find_tensor(name)) return *t;
-  throw std::runtime_error("GGUF '" + name_ + "': tensor " + quoted(name) + " not found");
+  throw std::runtime_error("GGUF '" + name_ + "': tensor " + gguf_quoted(name) + " not found");
 }
 
 std::vector<float> GgufFile::dequantize(const GgufTensorInfo& t) const {
   auto fail = [&](const std::string& m) -> void {
-    throw std::runtime_error("GGUF '" + name_ + "': tensor " + quoted(t.name) + ": " + m);
+    throw std::runtime_error("GGUF '" + name_ + "': tensor " + gguf_quoted(t.name) + ": " + m);
   };
   // Re-derive the size instead of trusting the (public, mutable) info, and insist that the bytes
   // lie inside this file's image.

@@ -34,7 +34,8 @@ LlamaModel LlamaModel::load(const std::string& path) { return from_gguf(GgufFile
 LlamaModel LlamaModel::from_gguf(const GgufFile& f) {
   const std::string arch = f.get_string("general.architecture");
   if (arch != "llama")
-    throw std::runtime_error(fmt::format("GGUF '{}': architecture '{}' is not supported (expected llama)", f.name(), arch));
+    throw std::runtime_error(
+        fmt::format("GGUF '{}': architecture {} is not supported (expected llama)", f.name(), gguf_quoted(arch)));
   LlamaModel m;
   m.name = f.has_key("general.name") ? f.get_string("general.name") : f.name();
   LlamaHparams& hp = m.hp;

@@ -27,7 +27,7 @@ Sampler::Sampler(const SamplerConfig& cfg) : cfg_(cfg), rng_(cfg.seed) {
 int32_t Sampler::sample(std::span<const float> logits) {
   if (logits.empty()) throw std::runtime_error("sampler: empty logits");
   for (float l : logits)
-    if (std::isnan(l)) throw std::runtime_error("sampler: NaN in logits");
+    if (std::isnan(l)) throw std::runtime_error("sampler: NaN in the model's logits (NaN/Inf in its weights?)");
   if (cfg_.temperature == 0.0f) return argmax(logits);
   // Softmax at temperature T, then the nucleus: sort by probability, keep the prefix reaching top_p.
   const float mx = *std::max_element(logits.begin(), logits.end());

@@ -200,7 +200,13 @@ void Session::forward(std::span<const int32_t> tokens, bool decode_step) {
     for (int t = 0; t < T; ++t) {
       rope(&q[size_t(t) * NH * HD], NH, HD, hp.n_rot, pos0 + t, inv_freq_);
       rope(&k[size_t(t) * NKV * HD], NKV, HD, hp.n_rot, pos0 + t, inv_freq_);
-      cache_.write(il, seq_, pos0 + t, &k[size_t(t) * NKV * HD], &v[size_t(t) * NKV * HD]);  // append
+      try {
+        cache_.write(il, seq_, pos0 + t, &k[size_t(t) * NKV * HD], &v[size_t(t) * NKV * HD]);  // append
+      } catch (const std::invalid_argument& e) {  // names the model, not only the cache
+        throw std::runtime_error(fmt::format("model '{}': the forward pass gave token {} of layer {} a key or value "
+                                             "the KV cache cannot store (NaN/Inf in the weights?): {}",
+                                             model_.name, pos0 + t, il, e.what()));
+      }
     }
     if (!filled.empty()) selector_->on_pages_filled(cache_, il, filled);  // Alg. 1, batched
 

@@ -54,10 +54,12 @@ enum DecodeStatus : uint32_t {
   kStatusBadLastPageLen = 2u,  // last_page_len[b] outside 1..16 for a sequence with pages
   kStatusBadPageId = 4u,       // a page id outside [0, n_pages_pool)
 };
-/// "page count out of range (indptr descending, or above the plan's max_pages); ..." (empty for 0).
+/// "page count out of range (indptr descending, or more pages than the plan covers: max_pages); ..."
+/// (empty for 0; bits outside DecodeStatus are listed as "unknown status bits 0x..").
 std::string describe_decode_status(uint32_t status);
 
-/// Bytes of one summary record on the device (832 at head_dim 128, 512 at 64).
+/// Bytes of one summary record on the device: 832 at head_dim 128, 512 at 64, 0 for any other
+/// head_dim (no device format).
 size_t summary_record_bytes(int head_dim);
 
 /// One layer's paged KV cache on the device with its CSR page table.
@@ -71,7 +73,7 @@ struct PagedKvView {
   const int32_t* indptr = nullptr;         // [batch + 1]
   const int32_t* indices = nullptr;        // [indptr[batch]] page ids
   const int32_t* last_page_len = nullptr;  // [batch], 1..16
-  int n_pages_pool = 0;                    // page ids must be < n_pages_pool; 0: ids are not checked
+  int n_pages_pool = 0;  // page ids must be < n_pages_pool; 0: not checked (the decode steps then use theirs)
 };
 
 // ----------------------------------------------------------------------------------------------
@@ -96,7 +98,8 @@ cudaError_t summary_build(const SummaryBuildParams& p, cudaStream_t stream);
 
 // ----------------------------------------------------------------------------------------------
 /// Eq. 4 for every page of every sequence and KV head, all G query heads from one read of each
-/// summary: log_mass[b][h][g][j] = s_hat_j(q_g). The last page of a sequence, when partial
+/// summary: log_mass[b][h][g][j] = s_hat_j(q_g), natural log of the page's mass of exp(scale * q.k)
+/// (nats, as the CPU's PageSummaryStore::score). The last page of a sequence, when partial
 /// (last_page_len < 16), has no summary: its exact log-mass is computed from its keys, as the CPU
 /// selector does. Also produces the per-head normaliser of the shares (Eq. 5):
 /// lse_total[b][h][g] = logsumexp_j log_mass[b][h][g][j] (-inf for a sequence without pages), or,
@@ -115,7 +118,7 @@ struct ScoreParams {
   const float* q = nullptr;            // [batch][n_head_kv * group][head_dim], 16-byte aligned
   PagedKvView kv;                      // page table; K read only for partial last pages
   const uint8_t* summaries = nullptr;  // records of this layer
-  int n_pages_pool = 0;
+  int n_pages_pool = 0;  // records per KV head; page ids must be < n_pages_pool
   int group = 1;                 // G, 1..16
   float scale = 0.0f;            // softmax scale, usually 1/sqrt(head_dim)
   int chunk_pages = 0;           // multiple of 32
@@ -123,7 +126,7 @@ struct ScoreParams {
   float* log_mass = nullptr;     // out [batch][n_head_kv][group][log_mass_stride]
   int log_mass_stride = 0;       // >= max_b n_pages_b, multiple of 8
   float* lse_total = nullptr;    // out [batch][n_head_kv][group]
-  float* chunk_stats = nullptr;  // workspace [batch][n_head_kv][16][n_chunks][2]
+  float* chunk_stats = nullptr;  // workspace [batch][n_head_kv][16][n_chunks][2]: (max, sum), log2 units
   uint32_t* counters = nullptr;  // workspace [batch * n_head_kv + 2], zero-initialised
   int grid = 0;                  // persistent CTAs; 0: enough to fill the device
   bool pdl = false;              // launch with programmatic dependent launch
@@ -251,7 +254,8 @@ struct DecodePlan {
   int score_grid = 0;
   size_t counters_bytes = 0;
 };
-/// Throws std::invalid_argument for unsupported shapes (head_dim, group, budget).
+/// Throws std::invalid_argument for unsupported shapes (head_dim, group, budget) and
+/// std::runtime_error when no CUDA device is usable ("CUDA decode: no device").
 DecodePlan make_decode_plan(const DecodeShape& shape, int device = -1);
 /// Zero the counters and histograms of a fresh workspace (once, before the first step).
 cudaError_t init_decode_workspace(const DecodePlan& plan, void* workspace, cudaStream_t stream);
@@ -261,6 +265,8 @@ struct DecodeStepParams {
   const float* q = nullptr;  // [batch][n_head_kv * group][head_dim], 16-byte aligned (score_pages)
   PagedKvView kv;
   const uint8_t* summaries = nullptr;
+  /// Page ids of the pool (the summaries hold n_pages_pool records per KV head); also the page-id
+  /// check of the attention kernels when kv.n_pages_pool is 0.
   int n_pages_pool = 0;
   float scale = 0.0f;
   float* o = nullptr;    // [batch][n_head_kv * group][head_dim]
