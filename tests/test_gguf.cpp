@@ -342,6 +342,15 @@ TEST(Gguf, HostileTensors) {
   EXPECT_THAT(past, HasSubstr("size 68, file "));
   EXPECT_THAT(parse_error(one_tensor({8}, kF32, 1ull << 63, 32)), HasSubstr("data runs past end of file"));
   EXPECT_THAT(parse_error(one_tensor({8}, kF32, ~0ull & ~31ull, 32)), HasSubstr("data runs past end of file"));
+  // Two tensors sharing bytes: 'b' starts inside 'a' (64 bytes at 0); back to back is fine.
+  auto two = [](uint64_t offset_b) {
+    Writer w;
+    w.header(2, 0).tensor("a", {16}, kF32, 0).tensor("b", {8}, kF32, offset_b).pad_to(32);
+    w.b.resize(w.b.size() + 128);
+    return w.b;
+  };
+  EXPECT_NO_THROW(GgufFile::from_bytes(two(64)));
+  EXPECT_THAT(parse_error(two(32)), HasSubstr("tensor 'b': data at offset 32 overlaps tensor 'a' (offset 0, 64 bytes)"));
 
   Writer w;
   w.header(2, 0).tensor("t", {8}, kF32, 0).tensor("t", {8}, kF32, 32).pad_to(32);

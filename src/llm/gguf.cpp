@@ -3,6 +3,7 @@
 // ends in std::runtime_error rather than a crash or a huge allocation.
 #include "locks/gguf.h"
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdio>
@@ -393,6 +394,21 @@ GgufFile GgufFile::from_bytes(std::vector<uint8_t> bytes, std::string name) {
              ", size " + std::to_string(t.n_bytes) + ", file " + std::to_string(b.size()) + ")");
     }
     t.data = b.data() + data_start + t.offset;
+  }
+  // No two tensors share bytes (a changed type or offset would otherwise make one read the other's
+  // data as its own; writers lay tensors out back to back, as ggml's reader requires).
+  std::vector<const GgufTensorInfo*> by_offset;
+  for (const auto& t : f.tensors_) by_offset.push_back(&t);
+  std::sort(by_offset.begin(), by_offset.end(),
+            [](const GgufTensorInfo* a, const GgufTensorInfo* c) { return a->offset < c->offset; });
+  for (size_t i = 1; i < by_offset.size(); ++i) {
+    const GgufTensorInfo& a = *by_offset[i - 1];
+    const GgufTensorInfo& c = *by_offset[i];
+    if (a.n_bytes > 0 && c.n_bytes > 0 && a.offset + a.n_bytes > c.offset) {
+      r.set_context("tensor " + gguf_quoted(c.name));
+      r.fail("data at offset " + std::to_string(c.offset) + " overlaps tensor " + gguf_quoted(a.name) + " (offset " +
+             std::to_string(a.offset) + ", " + std::to_string(a.n_bytes) + " bytes)");
+    }
   }
   f.bytes_ = std::move(owned);
   return f;
