@@ -169,6 +169,44 @@ __device__ __forceinline__ float warp_lse2(float m, float l, bool bad) {
   return bad ? NAN : m == -INFINITY ? -INFINITY : m + log2f(l);
 }
 
+// The share normaliser from the score pass's chunk statistics (ScoreParams::chunk_stats: (max, sum)
+// pairs in log2 units, [row][stride] for one (sequence, KV head)): the calling warp merges head rows
+// warp, warp + n_warps, ... (HPW of them; rows >= G are skipped) over their first n chunks, loading
+// the first 128 chunks of every row at once (one round trip, lanes coalesced along the row), and
+// calls emit(row, log2-sum-exp) on lane 0; NaN when a chunk saw bad input, -inf without mass.
+template <int HPW, class Emit>
+__device__ __forceinline__ void merge_chunk_stats(const float2* stats, int stride, int n, int G, int warp, int n_warps,
+                                                  Emit emit) {
+  const int lane = threadIdx.x & 31;
+  float2 st[HPW][4];
+#pragma unroll
+  for (int hr = 0; hr < HPW; ++hr)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int r = warp + n_warps * hr, c = lane + 32 * q;
+      st[hr][q] = r < G && c < n ? __ldcg(stats + size_t(r) * stride + c) : make_float2(-INFINITY, 0.0f);
+    }
+#pragma unroll
+  for (int hr = 0; hr < HPW; ++hr) {
+    const int r = warp + n_warps * hr;
+    if (r >= G) break;
+    float m = -INFINITY, l = 0.0f;
+    bool bad = false;  // a chunk saw bad input
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      bad |= isnan(st[hr][q].y);
+      lse2_merge(m, l, st[hr][q].x, st[hr][q].y);
+    }
+    for (int c = lane + 128; c < n; c += 32) {
+      const float2 v = __ldcg(stats + size_t(r) * stride + c);
+      bad |= isnan(v.y);
+      lse2_merge(m, l, v.x, v.y);
+    }
+    const float v = warp_lse2(m, l, bad);
+    if (lane == 0) emit(r, v);
+  }
+}
+
 // Warp reductions over the 4 lanes of a quad (lanes 4g .. 4g+3).
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(kFull, x, 1));

@@ -652,35 +652,9 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
     // Last CTA of (b, h): lse_total[g] = logsumexp over every page (the share normaliser, Eq. 5).
     // The statistics of all heads and (up to 128) chunks are loaded at once: this is the kernel's tail,
     // where each further round trip adds to the step.
-    const float2* cs2 = reinterpret_cast<const float2*>(p.chunk_stats) + bh * 16 * n_chunks;
-    constexpr int HPW = (GT + kWarps - 1) / kWarps;  // heads per warp
-    float2 st2[HPW][4];
-#pragma unroll
-    for (int hr = 0; hr < HPW; ++hr)
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int r = warp + hr * kWarps, cc = lane + 32 * k;
-        st2[hr][k] = r < G && cc < active ? __ldcg(cs2 + size_t(r) * n_chunks + cc) : make_float2(-INFINITY, 0.0f);
-      }
-#pragma unroll
-    for (int hr = 0; hr < HPW; ++hr) {
-      const int r = warp + hr * kWarps;
-      if (r >= G) break;
-      float m = -INFINITY, l = 0.0f;
-      bool bad = false;  // a chunk saw a page id outside the pool
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        bad |= isnan(st2[hr][k].y);
-        lse2_merge(m, l, st2[hr][k].x, st2[hr][k].y);
-      }
-      for (int cc = lane + 128; cc < active; cc += 32) {
-        const float2 v = __ldcg(cs2 + size_t(r) * n_chunks + cc);
-        bad |= isnan(v.y);
-        lse2_merge(m, l, v.x, v.y);
-      }
-      const float v = warp_lse2(m, l, bad);
-      if (lane == 0) p.lse_total[bh * G + r] = v * kLn2;
-    }
+    merge_chunk_stats<(GT + kWarps - 1) / kWarps>(
+        reinterpret_cast<const float2*>(p.chunk_stats) + bh * 16 * n_chunks, n_chunks, active, G, warp, kWarps,
+        [&](int r, float v) { p.lse_total[bh * G + r] = v * kLn2; });
   }
 }
 

@@ -61,39 +61,13 @@ __global__ void __launch_bounds__(kShareThreads) share_hist_kernel(SelectParams 
     // the first 128 chunks of a row are loaded at once, in the round trip of the log-mass loads. CTA 0
     // publishes the result as lse_total. (H200, 1M tokens, 4 KV heads, batch 1: staged through shared
     // memory from the [chunk][row] layout, 8 bytes per copy, the statistics took ~7 us to arrive.)
-    constexpr int HPW = GT / (kShareThreads / 32);  // head rows per warp
-    const int G = p.group, nc = p.n_chunks, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const float2* cs = reinterpret_cast<const float2*>(p.chunk_stats) + bh * 16 * nc;
-    float2 st[HPW][4];
-#pragma unroll
-    for (int hr = 0; hr < HPW; ++hr)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int r = warp + 8 * hr, c = lane + 32 * q;
-        st[hr][q] = r < G && c < nc ? __ldcg(cs + size_t(r) * nc + c) : make_float2(-INFINITY, 0.0f);
-      }
-#pragma unroll
-    for (int hr = 0; hr < HPW; ++hr) {
-      const int r = warp + 8 * hr;
-      if (r >= G) break;
-      float m = -INFINITY, l = 0.0f;
-      bool bad = false;  // a chunk saw bad input
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        bad |= isnan(st[hr][q].y);
-        lse2_merge(m, l, st[hr][q].x, st[hr][q].y);
-      }
-      for (int c = lane + 128; c < nc; c += 32) {
-        const float2 v = __ldcg(cs + size_t(r) * nc + c);
-        bad |= isnan(v.y);
-        lse2_merge(m, l, v.x, v.y);
-      }
-      const float v = warp_lse2(m, l, bad);
-      if (lane == 0) {
-        lse2[r] = v;
-        if (blockIdx.x == 0) p.lse_total[bh * G + r] = v * kLn2;
-      }
-    }
+    constexpr int kWarps = kShareThreads / 32;
+    const int G = p.group;
+    merge_chunk_stats<GT / kWarps>(reinterpret_cast<const float2*>(p.chunk_stats) + bh * 16 * p.n_chunks, p.n_chunks,
+                                   p.n_chunks, G, int(threadIdx.x >> 5), kWarps, [&](int r, float v) {
+                                     lse2[r] = v;
+                                     if (blockIdx.x == 0) p.lse_total[bh * G + r] = v * kLn2;
+                                   });
   } else if (threadIdx.x < p.group) {
     lse2[threadIdx.x] = p.lse_total[bh * p.group + threadIdx.x] * kLog2e;
   }
