@@ -127,11 +127,12 @@ int run(const RunArgs& a) {
   } else {
     std::fputs("\n", stdout);
     std::fflush(stdout);
+    const std::string budget = a.selector == "full" ? std::string("all pages") : fmt::format("{} tokens", a.budget);
     fmt::print(stderr,
                "[locks] selector={} budget={} | prompt {} tokens | prefill {:.2f} s ({:.0f} tok/s) | "
                "decode {} steps, {:.1f} tok/s | attention read/step {:.1f} KiB vs dense {:.1f} KiB "
                "(ratio {:.3f}, {:.1f}x fewer)\n",
-               a.selector, a.selector == "full" ? std::string("all pages") : fmt::format("{} tokens", a.budget), r.prompt_ids.size(), r.prefill_seconds, prefill_tps, r.decode.steps, decode_tps,
+               a.selector, budget, r.prompt_ids.size(), r.prefill_seconds, prefill_tps, r.decode.steps, decode_tps,
                bytes_step / 1024.0, dense_step / 1024.0, ratio, ratio > 0 ? 1.0 / ratio : 0.0);
   }
   return 0;
