@@ -426,6 +426,18 @@ TEST(Attention, IndicesOutsideTheCacheThrow) {
   EXPECT_EQ(decode(2, 0, {0}), "paged_decode_attention: layer 2 outside [0, 2)");
   EXPECT_EQ(decode(0, 2, {0}), "paged_decode_attention: KV head 2 outside [0, 2)");
   EXPECT_EQ(decode(0, 1, {0, 5}), "no exception");
+  KvSequence long_seq = f.seq;
+  long_seq.n_tokens = 4000;  // the last page would hold 3920 tokens
+  EXPECT_EQ(test::error_of<std::invalid_argument>([&] {
+              paged_decode_attention(*f.cache, 0, 0, long_seq, std::vector<int32_t>{5}, q.data(), 2, 0.25f, o.data(),
+                                     nullptr);
+            }),
+            "paged_decode_attention: a sequence of 4000 tokens cannot have 6 pages of 16 tokens");
+  EXPECT_EQ(test::error_of<std::invalid_argument>([&] {
+              paged_decode_attention(*f.cache, 0, 0, f.seq, std::vector<int32_t>{0}, nullptr, 2, 0.25f, o.data(),
+                                     nullptr);
+            }),
+            "paged_decode_attention: q and o must not be null");
   const auto qp = randn(rng, size_t(4) * 4 * 16);
   std::vector<float> out(qp.size());
   EXPECT_EQ(test::error_of<std::out_of_range>(

@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "test_util.h"
 #include "locks/kv_cache.h"
 
@@ -351,4 +353,43 @@ TEST(KvCache, IndicesOutsideTheCacheThrowNamingThem) {
   EXPECT_EQ(test::error_of<std::out_of_range>([&] { cache.write(0, bad, 17, k.data(), v.data()); }),
             "KV write: page id 4 outside the pool [0, 4)");
   EXPECT_EQ(test::error_of<std::out_of_range>([&] { cache.check_layer_head("x", 0, 2); }), "x: KV head 2 outside [0, 2)");
+  std::vector<float> buf(16 * 8);
+  EXPECT_EQ(test::error_of<std::out_of_range>([&] { cache.k_page_f32(0, 1000000, 0, buf.data()); }),
+            "KV cache: (layer 0, page id 1000000, KV head 0) outside [0, 1) x [0, 4) x [0, 2)");
+  EXPECT_EQ(test::error_of<std::out_of_range>([&] { cache.v_page(-1, 0, 0); }),
+            "KV cache: (layer -1, page id 0, KV head 0) outside [0, 1) x [0, 4) x [0, 2)");
+  KvSequence long_seq = s;
+  long_seq.n_tokens = 4000;  // 2 pages cannot hold it
+  EXPECT_EQ(test::error_of<std::invalid_argument>([&] { cache.write(0, long_seq, 0, k.data(), v.data()); }),
+            "KV write: a sequence of 4000 tokens cannot have 2 pages of 16 tokens");
+  EXPECT_EQ(test::error_of<std::invalid_argument>([&] { cache.append_tokens(long_seq, 1); }),
+            "append_tokens: a sequence of 4000 tokens cannot have 2 pages of 16 tokens");
+}
+
+// A page table that does not hold this pool's pages in use is refused by release, with nothing
+// changed: a second release of the same pages used to put them on the free list twice.
+TEST(KvCache, ReleaseRefusesPagesNotInUse) {
+  PagedKvCache cache(small_cfg(8, KvDtype::F16, 1, 1, 8));
+  KvSequence a;
+  cache.append_tokens(a, 40);  // 3 pages
+  const KvSequence copy = a;
+  cache.release(a);
+  EXPECT_EQ(cache.n_free_pages(), 8);
+  KvSequence again = copy;
+  EXPECT_EQ(test::error_of<std::out_of_range>([&] { cache.release(again); }),
+            fmt::format("release: page id {} is not in use (released, or not from this pool)", copy.page_table[0]));
+  EXPECT_EQ(cache.n_free_pages(), 8);
+  EXPECT_EQ(again.n_pages(), 3) << "a refused release leaves the sequence as it was";
+  KvSequence b;
+  cache.append_tokens(b, 40);
+  KvSequence twice = b;
+  twice.page_table[2] = twice.page_table[0];
+  EXPECT_EQ(test::error_of<std::out_of_range>([&] { cache.release(twice); }),
+            fmt::format("release: page id {} appears twice in the page table", b.page_table[0]));
+  KvSequence foreign = b;
+  foreign.page_table[1] = 999;
+  EXPECT_EQ(test::error_of<std::out_of_range>([&] { cache.release(foreign); }),
+            "release: page id 999 outside the pool [0, 8)");
+  cache.release(b);
+  EXPECT_EQ(cache.n_free_pages(), 8);
 }

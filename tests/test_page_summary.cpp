@@ -778,6 +778,12 @@ TEST(PageSummary, FormatBytesAndValidation) {
   EXPECT_THROW((SummaryFormat{8, 4, 8, 2}.validate(B, d)), std::invalid_argument);
   EXPECT_NO_THROW((SummaryFormat{16, 2, 8, 32}.validate(B, d)));
   EXPECT_THROW(PageSummaryStore(SummaryFormat{0, 4, 8, 8}, 1, 1, 1, B, d), std::invalid_argument);
+  // Indices outside the store are named, never read.
+  const PageSummaryStore store(shipped, 1, 2, 16, B, d);
+  EXPECT_EQ(test::error_of<std::out_of_range>([&] { (void)store.has(0, 0, 5000000); }),
+            "page summary store: (layer 0, KV head 0, page id 5000000) outside [0, 1) x [0, 2) x [0, 16)");
+  EXPECT_EQ(test::error_of<std::out_of_range>([&] { (void)store.load(0, 2, 0); }),
+            "page summary store: (layer 0, KV head 2, page id 0) outside [0, 1) x [0, 2) x [0, 16)");
   try {
     SummaryFormat{8, 3, 8, 8}.validate(B, d);
     FAIL() << "basis bits 3 accepted";

@@ -1,5 +1,6 @@
 // Page selection (Alg. 2 lines 6-9), the Eq. 8 coverage guarantee, and the selectors chosen by name,
 // checked against float64 reimplementations written here.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -516,6 +517,22 @@ TEST(Selector, RequestsOutsideTheCacheThrow) {
     req.seq = nullptr;
     EXPECT_EQ(test::error_of<std::invalid_argument>([&] { sel->select(*sc.cache, req, out); }),
               "select: the request needs q and seq");
+    KvSequence bad = sc.seq;
+    bad.page_table[1] = 100000;
+    req.seq = &bad;
+    EXPECT_EQ(test::error_of<std::out_of_range>([&] { sel->select(*sc.cache, req, out); }),
+              fmt::format("select: page id 100000 outside the pool [0, {})", sc.cfg.n_pages));
+    bad = sc.seq;
+    bad.n_tokens = 4000;
+    EXPECT_EQ(test::error_of<std::invalid_argument>([&] { sel->select(*sc.cache, req, out); }),
+              fmt::format("select: a sequence of 4000 tokens cannot have {} pages of 16 tokens", sc.seq.n_pages()));
+    // A cache of another layout than the selector's per-page data was sized for.
+    KvCacheConfig other = sc.cfg;
+    other.n_pages += 100;
+    PagedKvCache big(other);
+    EXPECT_THAT(test::error_of<std::invalid_argument>(
+                    [&] { sel->on_pages_filled(big, 0, std::vector<int32_t>{int32_t(sc.cfg.n_pages + 50)}); }),
+                testing::HasSubstr("on_pages_filled: selector '" + std::string(name) + "' was made for a cache of"));
   }
 }
 

@@ -117,7 +117,7 @@ int run(const RunArgs& a) {
     j["prompt_tokens"] = r.prompt_ids.size();
     j["generated_ids"] = r.generated_ids;
     j["selector"] = a.selector;
-    j["budget_tokens"] = a.budget;
+    j["budget_tokens"] = a.selector == "full" ? nlohmann::json() : nlohmann::json(a.budget);  // full: every page
     j["stats"] = {{"prefill_s", r.prefill_seconds},      {"prefill_tokens", r.prefill_tokens},
                   {"prefill_tokens_per_s", prefill_tps}, {"decode_steps", r.decode.steps},
                   {"decode_tokens_per_s", decode_tps},   {"bytes_read_per_step", bytes_step},
@@ -130,9 +130,9 @@ int run(const RunArgs& a) {
     const std::string budget = a.selector == "full" ? std::string("all pages") : fmt::format("{} tokens", a.budget);
     fmt::print(stderr,
                "[locks] selector={} budget={} | prompt {} tokens | prefill {:.2f} s ({:.0f} tok/s) | "
-               "decode {} steps, {:.1f} tok/s | attention read/step {:.1f} KiB vs dense {:.1f} KiB "
+               "decode {} step{}, {:.1f} tok/s | attention read/step {:.1f} KiB vs dense {:.1f} KiB "
                "(ratio {:.3f}, {:.1f}x fewer)\n",
-               a.selector, budget, r.prompt_ids.size(), r.prefill_seconds, prefill_tps, r.decode.steps, decode_tps,
+               a.selector, budget, r.prompt_ids.size(), r.prefill_seconds, prefill_tps, r.decode.steps, r.decode.steps == 1 ? "" : "s", decode_tps,
                bytes_step / 1024.0, dense_step / 1024.0, ratio, ratio > 0 ? 1.0 / ratio : 0.0);
   }
   return 0;

@@ -57,7 +57,7 @@ inline CLI::Validator decimal_integer(bool uint64 = false) {
           if (fits) v = v * 10 + uint64_t(ch - '0');
         }
         const bool negative = s.size() > 1 && s[0] == '-' && s.find_first_not_of("0123456789", 1) == std::string::npos;
-        if (negative) return "'" + s + "' is negative (expected an integer >= 0)";
+        if (negative) return "'" + s + "' is negative";
         if (!digits || (uint64 && !fits))
           return "'" + s + "' is not a decimal integer" + (uint64 ? " in [0, " + std::to_string(max) + "]" : "");
         if (!fits) return "'" + s + "' is too large";

@@ -30,9 +30,13 @@ int main(int argc, char** argv) {
   if (!args.empty() && args[0].size() > 1 && args[0][0] == '-' && args[0] != "-h" && args[0] != "--help" &&
       args[0] != "--version")
     args.insert(args.begin(), "run");
-  // CLI11 drops the empty items of a comma list ("128,,256" would run 128 and 256): refuse them.
-  for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; }))
-    for (const CLI::Option* opt : sub->get_options())
+  // CLI11 drops the empty items of a comma list ("128,,256" would run 128 and 256): refuse them, in
+  // the lists of the subcommand being run.
+  const CLI::App* running = nullptr;
+  for (const auto& entry : runners)
+    if (!args.empty() && entry.first->get_name() == args[0]) running = entry.first;
+  if (running)
+    for (const CLI::Option* opt : running->get_options())
       if (opt->get_delimiter() == ',')
         for (size_t i = 0; i < args.size(); ++i)
           for (const std::string& name : opt->get_lnames()) {

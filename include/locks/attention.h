@@ -15,8 +15,9 @@ namespace locks {
 ///   o:     [n_group][head_dim] float32 output
 ///   lse:   [n_group] log-sum-exp of the scaled logits over the listed tokens (nullable)
 /// An empty page list gives o = 0 and lse = -inf (never NaN). Throws std::invalid_argument when
-/// page_size > 32 or page_size * head_dim > 8192 (the kernel's per-page buffers) or n_group < 1, and
-/// std::out_of_range for a layer, KV head or page position outside the cache or sequence.
+/// page_size > 32 or page_size * head_dim > 8192 (the kernel's per-page buffers), n_group < 1, a null
+/// q or o, or a sequence whose length does not fit its page table, and std::out_of_range for a layer,
+/// KV head or page position outside the cache or sequence.
 void paged_decode_attention(const PagedKvCache& cache, int il, int kv_head, const KvSequence& seq,
                             std::span<const int32_t> pages, const float* q, int n_group, float scale, float* o,
                             float* lse);
@@ -29,7 +30,8 @@ void paged_decode_attention(const PagedKvCache& cache, int il, int kv_head, cons
 ///   first_query: rows of query blocks that end before it may be skipped (their `out` rows are
 ///   left as they were); the blocks are the same for any value, so computed rows do not change.
 /// Throws std::out_of_range for a layer, query range or page outside the cache or sequence, and
-/// std::invalid_argument when n_head is not a multiple of n_head_kv.
+/// std::invalid_argument when n_head is not a multiple of n_head_kv, q or out is null, or the
+/// sequence's length does not fit its page table.
 void paged_prefill_attention(const PagedKvCache& cache, int il, const KvSequence& seq, int32_t pos0, int n_q,
                              const float* q, int n_head, float scale, float* out, int first_query = 0);
 

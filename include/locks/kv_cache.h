@@ -60,6 +60,10 @@ class PagedKvCache {
   void check_page_position(const char* what, const KvSequence& seq, int32_t j) const;
   /// Throws std::out_of_range naming `what` unless 0 <= page < n_pages.
   void check_page_id(const char* what, int32_t page) const;
+  /// Throws std::invalid_argument naming `what` unless seq's length fits its page table (only the last
+  /// page partial, none empty) and, with `ids`, std::out_of_range unless every page id is one of this
+  /// pool's pages in use. O(1), or O(pages) with `ids`.
+  void check_sequence(const char* what, const KvSequence& seq, bool ids) const;
   int page_size() const { return cfg_.page_size; }
   int n_free_pages() const { return static_cast<int>(free_.size()); }
 
@@ -68,7 +72,8 @@ class PagedKvCache {
   /// cannot hold them, or naming the bytes when the new pages (plus a quarter for the selectors'
   /// per-page data) would not fit in the memory available now (nothing is allocated in either case).
   int32_t append_tokens(KvSequence& seq, int32_t n);
-  /// Return all pages of `seq` to the pool and clear it.
+  /// Return all pages of `seq` to the pool and clear it. Throws (leaving everything as it was) when
+  /// the page table holds an id outside the pool, one not in use (released twice) or one twice.
   void release(KvSequence& seq);
 
   /// Store k, v ([n_head_kv][head_dim] float32 each) of token `pos` of `seq` in layer `il`.
@@ -77,7 +82,8 @@ class PagedKvCache {
   /// would be stored as inf: a NaN or inf key would poison every score.
   void write(int il, const KvSequence& seq, int32_t pos, const float* k, const float* v);
 
-  /// Raw page block of one KV head: [B][head_dim] elements of the cache dtype.
+  /// Raw page block of one KV head: [B][head_dim] elements of the cache dtype. These accessors throw
+  /// std::out_of_range for a layer, page id or KV head outside the cache.
   const void* k_page(int il, int32_t page, int kv_head) const { return ptr(k_, il, page, kv_head); }
   const void* v_page(int il, int32_t page, int kv_head) const { return ptr(v_, il, page, kv_head); }
   /// Copy one KV head's K (or V) page to float32 rows: out [B][head_dim].
@@ -102,13 +108,17 @@ class PagedKvCache {
            kv_dtype_bytes(cfg_.dtype);
   }
   const void* ptr(const ZeroedArray<uint8_t>& buf, int il, int32_t page, int kv_head) const {
+    if (il < 0 || il >= cfg_.n_layer || page < 0 || page >= cfg_.n_pages || kv_head < 0 || kv_head >= cfg_.n_head_kv)
+      page_error(il, page, kv_head);
     return buf.data() + offset(il, page, kv_head);
   }
+  [[noreturn]] void page_error(int il, int32_t page, int kv_head) const;
   void to_f32(const ZeroedArray<uint8_t>& buf, int il, int32_t page, int kv_head, float* out) const;
 
   KvCacheConfig cfg_;
   ZeroedArray<uint8_t> k_, v_;  // [n_layer][n_pages][n_head_kv][B][head_dim], committed as written
   std::vector<int32_t> free_;   // free page ids, popped from the back (lowest id first)
+  std::vector<uint8_t> in_use_;  // [n_pages]: 1 while a sequence holds the page
 };
 
 }  // namespace locks

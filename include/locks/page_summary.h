@@ -60,7 +60,8 @@ float summary_log_mass(const PageSummaryF32& s, const float* q, int d, float sca
 float exact_log_mass(const float* keys, int n_tok, const float* q, int d, float scale);
 
 /// Structure-of-arrays store of quantized summaries for every (layer, KV head, page id), laid out
-/// [layer][kv_head][page] per field so a score pass over one head's pages is a linear walk.
+/// [layer][kv_head][page] per field so a score pass over one head's pages is a linear walk. Every
+/// accessor throws std::out_of_range for a layer, KV head or page id outside the store.
 class PageSummaryStore {
  public:
   PageSummaryStore() = default;
@@ -83,12 +84,15 @@ class PageSummaryStore {
 
  private:
   size_t index(int il, int kv_head, int32_t page) const {
+    if (il < 0 || il >= n_layer_ || kv_head < 0 || kv_head >= n_head_kv_ || page < 0 || page >= n_pages_)
+      index_error(il, kv_head, page);
     return (static_cast<size_t>(il) * n_head_kv_ + kv_head) * n_pages_ + page;
   }
+  [[noreturn]] void index_error(int il, int kv_head, int32_t page) const;
   void dequant_basis(size_t idx, float* out) const;  // [r][d]
 
   SummaryFormat fmt_;
-  int n_head_kv_ = 0, n_pages_ = 0, B_ = 16, d_ = 0;
+  int n_layer_ = 0, n_head_kv_ = 0, n_pages_ = 0, B_ = 16, d_ = 0;
   size_t basis_stride_ = 0, coef_stride_ = 0, centroid_stride_ = 0, summary_bytes_ = 0;
   bool fast_path_ = false;  // shipped-like format handled by the AVX2 score kernel
   // Committed as pages are stored (ZeroedArray), not for the whole pool up front.

@@ -64,7 +64,8 @@ class Selector {
   void on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids);
   /// Choose the pages for one GQA group: always page 0 (sink) and the last page (recent), at most
   /// max(budget_pages, 2) pages. Throws std::invalid_argument for a request without q or sequence,
-  /// or with n_group < 1, and std::out_of_range for a layer or KV head outside the cache.
+  /// with n_group < 1 or a sequence whose length does not fit its page table, and std::out_of_range
+  /// for a layer, KV head or page id outside the cache (or a page not in use).
   void select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out);
   /// Deep copy (metadata included), so an evaluation can fork a prefilled sequence.
   virtual std::unique_ptr<Selector> clone() const = 0;
@@ -75,11 +76,22 @@ class Selector {
   /// A selector may do here work that its first select() would otherwise do, where doing it now
   /// gives the same result (Session::prepare_selector, so that forks share it).
   virtual void prepare_for_decode(const PagedKvCache& cache, const KvSequence& seq) {}
+  /// The cache layout this selector's per-page data is sized for (make_selector sets it): the
+  /// entry points above then refuse, with std::invalid_argument, a cache of any other layout.
+  void bind_cache(const KvCacheConfig& cfg) {
+    bound_ = cfg;
+    has_bound_ = true;
+  }
 
  protected:
   /// What on_pages_filled and select do once they have checked their arguments.
   virtual void do_on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) {}
   virtual void do_select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out) = 0;
+
+ private:
+  void check_cache(const char* what, const PagedKvCache& cache) const;
+  KvCacheConfig bound_;
+  bool has_bound_ = false;
 };
 
 struct SelectorOptions {

@@ -24,7 +24,9 @@ void paged_decode_attention(const PagedKvCache& cache, int il, int kv_head, cons
         "page_size * head_dim <= {})",
         B, d, kMaxPage, kMaxPageElems));
   cache.check_layer_head("paged_decode_attention", il, kv_head);
+  cache.check_sequence("paged_decode_attention", seq, /*ids=*/false);
   if (n_group < 1) throw std::invalid_argument(fmt::format("paged_decode_attention: n_group {} < 1", n_group));
+  if (q == nullptr || o == nullptr) throw std::invalid_argument("paged_decode_attention: q and o must not be null");
   for (int32_t j : pages) cache.check_page_position("paged_decode_attention", seq, j);
   alignas(64) float kbuf[kMaxPageElems];
   alignas(64) float vbuf[kMaxPageElems];

@@ -75,10 +75,12 @@ PagedKvCache::PagedKvCache(const KvCacheConfig& cfg) : cfg_(cfg) {
   }
   free_.resize(cfg.n_pages);
   for (int i = 0; i < cfg.n_pages; ++i) free_[i] = cfg.n_pages - 1 - i;
+  in_use_.assign(size_t(cfg.n_pages), 0);
 }
 
 int32_t PagedKvCache::append_tokens(KvSequence& seq, int32_t n) {
   if (n < 0) throw std::invalid_argument("append_tokens: negative token count");
+  check_sequence("append_tokens", seq, /*ids=*/false);
   const int64_t B = cfg_.page_size;
   const int64_t new_len = int64_t(seq.n_tokens) + n;
   const int64_t need_pages = (new_len + B - 1) / B;
@@ -102,6 +104,7 @@ int32_t PagedKvCache::append_tokens(KvSequence& seq, int32_t n) {
   }
   for (int64_t i = 0; i < extra; ++i) {
     seq.page_table.push_back(free_.back());
+    in_use_[size_t(free_.back())] = 1;
     free_.pop_back();
   }
   const int32_t pos = seq.n_tokens;
@@ -110,9 +113,35 @@ int32_t PagedKvCache::append_tokens(KvSequence& seq, int32_t n) {
 }
 
 void PagedKvCache::release(KvSequence& seq) {
-  for (auto it = seq.page_table.rbegin(); it != seq.page_table.rend(); ++it) free_.push_back(*it);
+  check_sequence("release", seq, /*ids=*/true);
+  std::vector<uint8_t> seen(size_t(cfg_.n_pages), 0);  // a page listed twice would be freed twice
+  for (int32_t id : seq.page_table)
+    if (seen[size_t(id)]++)
+      throw std::out_of_range(fmt::format("release: page id {} appears twice in the page table", id));
+  for (auto it = seq.page_table.rbegin(); it != seq.page_table.rend(); ++it) {
+    in_use_[size_t(*it)] = 0;
+    free_.push_back(*it);
+  }
   seq.page_table.clear();
   seq.n_tokens = 0;
+}
+
+void PagedKvCache::check_sequence(const char* what, const KvSequence& seq, bool ids) const {
+  const int64_t B = cfg_.page_size, n = seq.n_pages();
+  if (seq.n_tokens < 0 || (n == 0 ? seq.n_tokens != 0 : seq.n_tokens <= (n - 1) * B || seq.n_tokens > n * B))
+    throw std::invalid_argument(fmt::format("{}: a sequence of {} tokens cannot have {} pages of {} tokens", what,
+                                            seq.n_tokens, n, B));
+  if (!ids) return;
+  for (int32_t id : seq.page_table) {
+    check_page_id(what, id);
+    if (!in_use_[size_t(id)])
+      throw std::out_of_range(fmt::format("{}: page id {} is not in use (released, or not from this pool)", what, id));
+  }
+}
+
+void PagedKvCache::page_error(int il, int32_t page, int kv_head) const {
+  throw std::out_of_range(fmt::format("KV cache: (layer {}, page id {}, KV head {}) outside [0, {}) x [0, {}) x [0, {})",
+                                      il, page, kv_head, cfg_.n_layer, cfg_.n_pages, cfg_.n_head_kv));
 }
 
 void PagedKvCache::check_layer_head(const char* what, int il, int kv_head) const {
@@ -135,6 +164,7 @@ void PagedKvCache::check_page_position(const char* what, const KvSequence& seq, 
 
 void PagedKvCache::write(int il, const KvSequence& seq, int32_t pos, const float* k, const float* v) {
   check_layer_head("KV write", il);
+  check_sequence("KV write", seq, /*ids=*/false);
   if (pos < 0 || pos >= seq.n_tokens)
     throw std::out_of_range(fmt::format("KV write: position {} outside sequence of {} tokens", pos, seq.n_tokens));
   check_page_position("KV write", seq, pos / cfg_.page_size);

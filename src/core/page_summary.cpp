@@ -281,9 +281,15 @@ float exact_log_mass(const float* keys, int n_tok, const float* q, int d, float 
   return m + std::log(exp_shift_sum(logits, n_tok, m));
 }
 
+void PageSummaryStore::index_error(int il, int kv_head, int32_t page) const {
+  throw std::out_of_range(fmt::format("page summary store: (layer {}, KV head {}, page id {}) outside [0, {}) x [0, {}) x "
+                                      "[0, {})",
+                                      il, kv_head, page, n_layer_, n_head_kv_, n_pages_));
+}
+
 PageSummaryStore::PageSummaryStore(const SummaryFormat& fmt, int n_layer, int n_head_kv, int n_pages, int page_size,
                                    int head_dim)
-    : fmt_(fmt), n_head_kv_(n_head_kv), n_pages_(n_pages), B_(page_size), d_(head_dim) {
+    : fmt_(fmt), n_layer_(n_layer), n_head_kv_(n_head_kv), n_pages_(n_pages), B_(page_size), d_(head_dim) {
   fmt.validate(page_size, head_dim);
   const size_t r = fmt.rank;
   basis_stride_ = fmt.basis_bits == 32 ? r * d_ * 4 : packed_bytes(r * d_, fmt.basis_bits);

@@ -28,6 +28,8 @@ void paged_prefill_attention(const PagedKvCache& cache, int il, const KvSequence
   const int d = cfg.head_dim, B = cfg.page_size, H = cfg.n_head_kv;
   // Checked here, before the parallel region (an exception cannot leave an OpenMP region).
   cache.check_layer_head("paged_prefill_attention", il);
+  cache.check_sequence("paged_prefill_attention", seq, /*ids=*/false);
+  if (q == nullptr || out == nullptr) throw std::invalid_argument("paged_prefill_attention: q and out must not be null");
   if (n_head < H || n_head % H != 0)
     throw std::invalid_argument(
         fmt::format("paged_prefill_attention: n_head {} is not a multiple of n_head_kv {}", n_head, H));

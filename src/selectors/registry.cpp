@@ -25,9 +25,8 @@ int shared_rank(const KvCacheConfig& cfg, const SelectorOptions& opts) {
   return matched_bytes_rank(opts.summary, cfg.page_size, cfg.head_dim);
 }
 
-}  // namespace
-
-std::unique_ptr<Selector> make_selector(const std::string& name, const KvCacheConfig& cfg, const SelectorOptions& opts) {
+std::unique_ptr<Selector> construct_selector(const std::string& name, const KvCacheConfig& cfg,
+                                             const SelectorOptions& opts) {
   if (name == "full") return std::make_unique<FullSelector>();
   if (name == "oracle") return std::make_unique<OracleSelector>(opts.group_rule);
   if (name == "locks") return std::make_unique<LocksSelector>(cfg, opts.summary, opts.group_rule);
@@ -47,6 +46,14 @@ std::unique_ptr<Selector> make_selector(const std::string& name, const KvCacheCo
   if (name == "streaming") return std::make_unique<StreamingSelector>();
   throw std::invalid_argument(
       fmt::format("unknown selector '{}' (known: {})", name, fmt::join(selector_names(), ", ")));
+}
+
+}  // namespace
+
+std::unique_ptr<Selector> make_selector(const std::string& name, const KvCacheConfig& cfg, const SelectorOptions& opts) {
+  auto sel = construct_selector(name, cfg, opts);
+  sel->bind_cache(cfg);  // its per-page data is sized for this layout
+  return sel;
 }
 
 }  // namespace locks
