@@ -21,6 +21,7 @@ Runner add_eval(CLI::App& app) {
       ->capture_default_str();
   app.add_option("--tasks", c->families, "task families: single, multikey, multiquery, continuation")
       ->delimiter(',')
+      ->transform(trimmed())
       ->capture_default_str();
   app.add_option("--lengths", c->lengths, "task lengths in tokens")
       ->delimiter(',')
@@ -40,6 +41,7 @@ Runner add_eval(CLI::App& app) {
                return n;
              }())
       ->delimiter(',')
+      ->transform(trimmed())
       ->capture_default_str();
   app.add_flag("!--no-fidelity", c->fidelity, "skip the per-step fidelity chain (faster)");
   app.add_flag("!--separate-contexts", c->share_contexts,

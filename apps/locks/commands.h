@@ -38,6 +38,18 @@ inline CLI::Validator number_text() {
       "NUMBER");
 }
 
+/// Shared, for string list items (use with ->transform): surrounding blanks dropped, so that
+/// "full, locks" names the selectors full and locks.
+inline CLI::Validator trimmed() {
+  return CLI::Validator(
+      [](std::string& s) -> std::string {
+        const size_t b = s.find_first_not_of(" \t"), e = s.find_last_not_of(" \t");
+        s = b == std::string::npos ? std::string() : s.substr(b, e - b + 1);
+        return std::string();
+      },
+      "");
+}
+
 /// Shared, for integer options (use with ->transform): decimal digits only, leading zeros dropped,
 /// because CLI11's own conversion detects the base ("010" would be octal, "0x10" hex) and calls
 /// "1e3" or "1.5" out of range. Values above INT32_MAX are refused here (the option's range check
