@@ -132,7 +132,8 @@ int run(const RunArgs& a) {
                "[locks] selector={} budget={} | prompt {} tokens | prefill {:.2f} s ({:.0f} tok/s) | "
                "decode {} step{}, {:.1f} tok/s | attention read/step {:.1f} KiB vs dense {:.1f} KiB "
                "(ratio {:.3f}, {:.1f}x fewer)\n",
-               a.selector, budget, r.prompt_ids.size(), r.prefill_seconds, prefill_tps, r.decode.steps, r.decode.steps == 1 ? "" : "s", decode_tps,
+               a.selector, budget, r.prompt_ids.size(), r.prefill_seconds, prefill_tps, r.decode.steps,
+               r.decode.steps == 1 ? "" : "s", decode_tps,
                bytes_step / 1024.0, dense_step / 1024.0, ratio, ratio > 0 ? 1.0 / ratio : 0.0);
   }
   return 0;

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <functional>
 #include <string>
+#include <vector>
 
 namespace locks::cli {
 
@@ -48,6 +49,30 @@ inline CLI::Validator trimmed() {
         return std::string();
       },
       "");
+}
+
+/// CLI11 drops the empty items of a comma list ("128,,256" would run 128 and 256): the first
+/// comma-list option of `sub` in `args` with an empty item, as "--budgets: empty item in '128,,256'"
+/// (empty when there is none).
+inline std::string empty_list_item(const CLI::App& sub, const std::vector<std::string>& args) {
+  for (const CLI::Option* opt : sub.get_options()) {
+    if (opt->get_delimiter() != ',') continue;
+    for (const std::string& name : opt->get_lnames()) {
+      const std::string flag = "--" + name;
+      for (size_t i = 0; i < args.size(); ++i) {
+        std::string value;
+        if (args[i] == flag && i + 1 < args.size())
+          value = args[i + 1];
+        else if (args[i].rfind(flag + "=", 0) == 0)
+          value = args[i].substr(flag.size() + 1);
+        else
+          continue;
+        if (value.find(",,") != std::string::npos || (!value.empty() && (value.front() == ',' || value.back() == ',')))
+          return flag + ": empty item in '" + value + "'";
+      }
+    }
+  }
+  return std::string();
 }
 
 /// Shared, for integer options (use with ->transform): decimal digits only, leading zeros dropped,

@@ -30,31 +30,12 @@ int main(int argc, char** argv) {
   if (!args.empty() && args[0].size() > 1 && args[0][0] == '-' && args[0] != "-h" && args[0] != "--help" &&
       args[0] != "--version")
     args.insert(args.begin(), "run");
-  // CLI11 drops the empty items of a comma list ("128,,256" would run 128 and 256): refuse them, in
-  // the lists of the subcommand being run.
-  const CLI::App* running = nullptr;
   for (const auto& entry : runners)
-    if (!args.empty() && entry.first->get_name() == args[0]) running = entry.first;
-  if (running)
-    for (const CLI::Option* opt : running->get_options())
-      if (opt->get_delimiter() == ',')
-        for (size_t i = 0; i < args.size(); ++i)
-          for (const std::string& name : opt->get_lnames()) {
-            const std::string flag = "--" + name;
-            std::string value;
-            if (args[i] == flag && i + 1 < args.size())
-              value = args[i + 1];
-            else if (args[i].rfind(flag + "=", 0) == 0)
-              value = args[i].substr(flag.size() + 1);
-            else
-              continue;
-            const bool empty_item =
-                value.find(",,") != std::string::npos || (!value.empty() && (value.front() == ',' || value.back() == ','));
-            if (empty_item) {
-              fmt::print(stderr, "locks: error: {}: empty item in '{}'\n", flag, value);
-              return 2;
-            }
-          }
+    if (!args.empty() && entry.first->get_name() == args[0])
+      if (const std::string why = locks::cli::empty_list_item(*entry.first, args); !why.empty()) {
+        fmt::print(stderr, "locks: error: {}\n", why);
+        return 2;
+      }
   std::reverse(args.begin(), args.end());  // CLI11 takes the vector form in reverse order
   try {
     app.parse(args);

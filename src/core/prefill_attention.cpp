@@ -28,7 +28,7 @@ void paged_prefill_attention(const PagedKvCache& cache, int il, const KvSequence
   const int d = cfg.head_dim, B = cfg.page_size, H = cfg.n_head_kv;
   // Checked here, before the parallel region (an exception cannot leave an OpenMP region).
   cache.check_layer_head("paged_prefill_attention", il);
-  cache.check_sequence("paged_prefill_attention", seq, /*ids=*/false);
+  cache.check_sequence("paged_prefill_attention", seq, /*ids=*/true);
   if (q == nullptr || out == nullptr) throw std::invalid_argument("paged_prefill_attention: q and out must not be null");
   if (n_head < H || n_head % H != 0)
     throw std::invalid_argument(
@@ -36,7 +36,6 @@ void paged_prefill_attention(const PagedKvCache& cache, int il, const KvSequence
   if (pos0 < 0 || n_q < 0 || int64_t(pos0) + n_q > seq.n_tokens)
     throw std::out_of_range(fmt::format("paged_prefill_attention: queries [{}, {}) outside the sequence's {} tokens",
                                         pos0, int64_t(pos0) + n_q, seq.n_tokens));
-  for (int32_t j = 0; j < (seq.n_tokens + B - 1) / B; ++j) cache.check_page_position("paged_prefill_attention", seq, j);
   const int G = n_head / H;
   const int n_qblocks = (n_q + kQueryBlock - 1) / kQueryBlock;
   const int n_tasks = H * n_qblocks;
