@@ -22,9 +22,12 @@ SHAPES = [
 
 
 def bench(args):
-    import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    try:
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError as e:
+        sys.exit(f"bench_sdpa.py: needs PyTorch with CUDA (as on the lent H200): {e}")
 
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)

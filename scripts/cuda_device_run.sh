@@ -3,7 +3,8 @@
 #   scripts/cuda_device_run.sh STAGE...   stages: info tests memcheck racecheck bench1 sdpa1 bench sdpa ncu
 #                                          ncuscore ncusrc ab patterns sass
 # (env: AB, AB_BATCHES for ab; NCU_BATCHES for ncu; KERNEL, SKIP for ncusrc; RACECHECK_FILTER, RACECHECK_TIMEOUT)
-# Logs and CSVs go to $OUT. Each stage has its own time limit so the whole call ends in time.
+# Logs and CSVs go to $OUT. Each stage has its own time limit, so that a hung stage cannot take the whole call
+# (the limits add up to more than a call's 600 s; the stages themselves take ~3 min together).
 set -u
 OUT=${OUT:-/tmp/locks-out}
 mkdir -p "$OUT"

@@ -9,6 +9,8 @@ import sys
 
 
 def main():
+    if len(sys.argv) != 3:
+        sys.exit("usage: cuda_results_tables.py OURS.csv SDPA.csv  (locks bench --device cuda --csv, bench_sdpa.py --csv)")
     ours_path, sdpa_path = sys.argv[1], sys.argv[2]
     ours = {(r["shape"], int(r["context"]), int(r["batch"])): r for r in csv.DictReader(open(ours_path))}
     sdpa = {(r["shape"], int(r["context"]), int(r["batch"])): r for r in csv.DictReader(open(sdpa_path))}

@@ -398,6 +398,11 @@ TEST_F(GgufModels, HostileSizeKeysNameTheKey) {
   EXPECT_EQ(load_error("llama.embedding_length", 0), "GGUF 'm.gguf': llama.embedding_length = 0 is outside [1, 65536]");
   EXPECT_EQ(load_error("llama.attention.head_count_kv", 0xFFFFFFFFu),
             "GGUF 'm.gguf': llama.attention.head_count_kv = 4294967295 is outside [1, 1024]");
+  // A block count below the file's 8 blocks would run a truncated model: the first extra block's
+  // tensor is named.
+  const std::string blocks = load_error("llama.block_count", 7);
+  EXPECT_THAT(blocks, HasSubstr("GGUF 'm.gguf': tensor 'blk.7."));
+  EXPECT_THAT(blocks, HasSubstr("' belongs to block 7, but llama.block_count is 7"));
   const uint32_t n_vocab = GgufFile::from_bytes(bytes, "m.gguf").get_u32("llama.vocab_size");
   EXPECT_EQ(load_error("llama.vocab_size", n_vocab + 1),
             fmt::format("GGUF 'm.gguf': llama.vocab_size = {} disagrees with the {} tokens of tokenizer.ggml.tokens",
@@ -514,6 +519,13 @@ TEST(Gguf, OpenMissingFileNamesPath) {
     FAIL() << "no exception";
   } catch (const std::runtime_error& e) {
     EXPECT_THAT(e.what(), HasSubstr("GGUF '/nonexistent/model.gguf': cannot open"));
+  }
+  // A device has no size to read (/dev/zero would otherwise read as an empty file).
+  try {
+    GgufFile::open("/dev/zero");
+    FAIL() << "no exception";
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "GGUF '/dev/zero': not a regular file");
   }
 }
 

@@ -6,6 +6,7 @@
 #include <bit>
 #include <chrono>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 
 #include "locks/gguf.h"
@@ -224,6 +225,15 @@ TEST(TokenizerMini, ValidationErrors) {
   v = mini({"a"});
   v.types.push_back(1);
   EXPECT_THAT(from_gguf_error(v), HasSubstr("tokenizer.ggml.token_type has 261 entries"));
+  v = mini({"a"});
+  v.scores[259] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_THAT(from_gguf_error(v), HasSubstr("tokenizer.ggml.scores[259] is NaN"));
+  for (int32_t bad_type : {0, 7, 99, -1}) {
+    v = mini({"a"});
+    v.types[259] = bad_type;
+    EXPECT_THAT(from_gguf_error(v), HasSubstr("tokenizer.ggml.token_type[259] = " + std::to_string(bad_type) +
+                                              " is not a token type (1 normal .. 6 byte)"));
+  }
   const GgufFile empty = GgufFile::from_bytes({'G', 'G', 'U', 'F', 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
                                               "empty");
   try {

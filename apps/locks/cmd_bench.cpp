@@ -282,21 +282,23 @@ Runner add_bench(CLI::App& app) {
           ->delimiter(',')
           ->transform(decimal_integer())
           ->check(CLI::Range(1, 256)),
-      app.add_option("--csv", a->csv, "cuda: also write the results as CSV to this path"),
+      app.add_option("--csv", a->csv, "cuda: also write the results as CSV to this path")->check(non_empty_path()),
       app.add_flag("--f16", a->f16, "cuda: f16 KV instead of bf16"),
       app.add_flag("--no-pdl", a->no_pdl, "cuda: launch the step's kernels without programmatic dependent launch")};
   // ---- end CUDA ----
-  app.add_option("-m,--model", a->model, "GGUF model for the engine benchmark")->check(non_empty_path());
-  app.add_flag("--skip-model", a->skip_model, "only the attention benchmark");
-  app.add_flag("--skip-attention", a->skip_attention, "only the engine benchmark");
-  app.add_option("--threads", a->threads, "CPU threads (default: all cores)")
-      ->transform(decimal_integer())
-      ->check(CLI::Range(1, 1024));
-  return [a, o_ctx, o_kv, o_grp, o_hd, o_bud, o_runs, cuda_only] {
+  const std::vector<CLI::Option*> cpu_only = {
+      app.add_option("-m,--model", a->model, "cpu: GGUF model for the engine benchmark")->check(non_empty_path()),
+      app.add_flag("--skip-model", a->skip_model, "cpu: only the attention benchmark"),
+      app.add_flag("--skip-attention", a->skip_attention, "cpu: only the engine benchmark"),
+      app.add_option("--threads", a->threads, "cpu: CPU threads (default: all cores)")
+          ->transform(decimal_integer())
+          ->check(CLI::Range(1, 1024))};
+  return [a, o_ctx, o_kv, o_grp, o_hd, o_bud, o_runs, cuda_only, cpu_only] {
     if (a->budget % 16 != 0) throw CLI::ValidationError("--budget", "must be a multiple of 16");
-    if (a->device != "cuda")
-      for (const CLI::Option* o : cuda_only)
-        if (o->count() > 0) throw CLI::ValidationError(o->get_name(), "only applies with --device cuda");
+    for (const CLI::Option* o : a->device == "cuda" ? cpu_only : cuda_only)
+      if (o->count() > 0)
+        throw CLI::ValidationError(o->get_name(), a->device == "cuda" ? "does not apply with --device cuda"
+                                                                      : "only applies with --device cuda");
     if (a->skip_model && a->skip_attention)
       throw CLI::ValidationError("--skip-model", "with --skip-attention leaves nothing to run");
     // ---- CUDA (`--device cuda`) ----

@@ -18,6 +18,7 @@ Runner add_eval(CLI::App& app) {
   app.add_option("-m,--model", c->model_path, "GGUF model (default: models/locks-ref-a-q8_0.gguf)")
       ->check(non_empty_path());
   app.add_option("--corpus", c->corpus_path, "held-out documents (.txt or .txt.xz, 0x1E-separated)")
+      ->check(non_empty_path())
       ->capture_default_str();
   app.add_option("--tasks", c->families, "task families: single, multikey, multiquery, continuation")
       ->delimiter(',')
@@ -63,7 +64,9 @@ Runner add_eval(CLI::App& app) {
       ->transform(decimal_integer())
       ->check(CLI::Range(1, 16))
       ->capture_default_str();
-  app.add_option("--out", c->out_dir, "output directory (results.csv, summary.md)")->capture_default_str();
+  app.add_option("--out", c->out_dir, "output directory (results.csv, summary.md)")
+      ->check(non_empty_path())
+      ->capture_default_str();
   app.add_option("--threads", *threads, "CPU threads (default: all cores)")
       ->transform(decimal_integer())
       ->check(CLI::Range(1, 1024));

@@ -42,6 +42,7 @@ struct RunArgs {
   bool json = false;
   bool prompt_given = false;  // -p was passed (an empty prompt then means BOS only)
   bool rank_given = false, basis_bits_given = false, group_rule_given = false;
+  bool budget_given = false, top_p_given = false, seed_given = false;
 };
 
 // A prompt larger than this cannot fit any context the tool supports (16M tokens at ~4 bytes each).
@@ -80,6 +81,10 @@ int run(const RunArgs& a) {
   ignored(a.rank_given, "-r/--rank", summary_selector);
   ignored(a.basis_bits_given, "--basis-bits", summary_selector);
   ignored(a.group_rule_given, "--group-rule", a.selector != "full" && a.selector != "streaming");
+  ignored(a.budget_given, "-b/--budget", a.selector != "full");
+  for (auto [given, opt] : {std::pair{a.top_p_given, "--top-p"}, std::pair{a.seed_given, "--seed"}})
+    if (given && a.temperature == 0.0f)
+      fmt::print(stderr, "[locks] warning: {} does not apply to greedy decoding (-t 0): ignored\n", opt);
 
   SessionConfig sc;
   sc.selector = a.selector;
@@ -146,7 +151,8 @@ Runner add_run(CLI::App& app) {
   app.add_option("-m,--model", a->model, "GGUF model (default: models/locks-ref-a-q8_0.gguf)")
       ->check(non_empty_path());
   CLI::Option* prompt_opt = app.add_option("-p,--prompt", a->prompt, "prompt text (\"\" = generate from BOS)");
-  app.add_option("-f,--prompt-file", a->prompt_file, "prompt file, '-' for stdin (default: examples/needle-8k.txt)");
+  app.add_option("-f,--prompt-file", a->prompt_file, "prompt file, '-' for stdin (default: examples/needle-8k.txt)")
+      ->check(non_empty_path());
   app.add_option("-s,--selector", a->selector,
                  "page selector (full = dense, oracle = exact page LSE, locks, baselines)")
       ->check(CLI::IsMember([] {
@@ -156,7 +162,8 @@ Runner add_run(CLI::App& app) {
         return n;
       }()))
       ->capture_default_str();
-  app.add_option("-b,--budget", a->budget, "attention budget per KV head in tokens (multiple of 16, >= 32)")
+  CLI::Option* budget_opt =
+      app.add_option("-b,--budget", a->budget, "attention budget per KV head in tokens (multiple of 16, >= 32)")
       ->transform(decimal_integer())
       ->check(CLI::Range(32, kMaxContextTokens))
       ->capture_default_str();
@@ -181,11 +188,12 @@ Runner add_run(CLI::App& app) {
       ->check(number_text())
       ->check(CLI::Range(0.0, 100.0))
       ->capture_default_str();
-  app.add_option("--top-p", a->top_p, "nucleus sampling threshold in (0, 1]")
+  CLI::Option* top_p_opt = app.add_option("--top-p", a->top_p, "nucleus sampling threshold in (0, 1]")
       ->check(number_text())
       ->check(CLI::Range(1e-6, 1.0))
       ->capture_default_str();
-  app.add_option("--seed", a->seed, "sampling seed")->transform(decimal_integer(true))->capture_default_str();
+  CLI::Option* seed_opt =
+      app.add_option("--seed", a->seed, "sampling seed")->transform(decimal_integer(true))->capture_default_str();
   app.add_option("--threads", a->threads, "CPU threads (default: all cores)")
       ->transform(decimal_integer())
       ->check(CLI::Range(1, 1024));
@@ -201,8 +209,11 @@ Runner add_run(CLI::App& app) {
       ->check(CLI::IsMember({"f16", "f32"}))
       ->capture_default_str();
   app.add_flag("--json", a->json, "print one JSON object instead of streamed text and a stats line");
-  return [a, prompt_opt, rank_opt, basis_opt, rule_opt] {
+  return [a, prompt_opt, rank_opt, basis_opt, rule_opt, budget_opt, top_p_opt, seed_opt] {
     a->prompt_given = prompt_opt->count() > 0;
+    a->budget_given = budget_opt->count() > 0;
+    a->top_p_given = top_p_opt->count() > 0;
+    a->seed_given = seed_opt->count() > 0;
     a->rank_given = rank_opt->count() > 0;
     a->basis_bits_given = basis_opt->count() > 0;
     a->group_rule_given = rule_opt->count() > 0;

@@ -5,7 +5,9 @@
 // alternate. Bytes are counted once, from the sizes the kernels read (see count_*).
 #include <algorithm>
 #include <cmath>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <stdexcept>
@@ -163,6 +165,11 @@ std::vector<BenchShape> default_bench_shapes() {
 int run_bench(const BenchOptions& o) {
   std::string why;
   if (!device_available(&why)) throw std::runtime_error(why);
+  // The CSV before any measurement: an unwritable path must not cost a whole benchmark and then be
+  // dropped silently.
+  std::FILE* csv = nullptr;
+  if (!o.csv.empty() && !(csv = std::fopen(o.csv.c_str(), "w")))
+    throw std::runtime_error("--csv: cannot write '" + o.csv + "': " + std::strerror(errno));
   int dev = 0;
   ck(cudaGetDevice(&dev), "device");
   cudaDeviceProp prop{};
@@ -196,7 +203,6 @@ int run_bench(const BenchOptions& o) {
       "L2 flushed before each run, median of %d runs, CUDA graphs, PDL %s\n",
       o.budget_tokens, o.budget_tokens / 16, o.bf16 ? "bf16" : "f16", o.runs, o.pdl ? "on" : "off");
 
-  std::FILE* csv = o.csv.empty() ? nullptr : std::fopen(o.csv.c_str(), "w");
   if (csv)
     std::fprintf(csv,
                  "shape,n_head_kv,group,head_dim,context,batch,dense_us,dense_bytes,locks_us,locks_bytes,score_us,"

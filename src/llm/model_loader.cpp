@@ -1,5 +1,6 @@
 // GGUF -> LlamaModel: hyper-parameters from `llama.*` keys, weights dequantized to float32.
 #include <cmath>
+#include <cstdio>
 #include <stdexcept>
 
 #include <fmt/format.h>
@@ -79,6 +80,14 @@ LlamaModel LlamaModel::from_gguf(const GgufFile& f) {
   m.tok_embd = load_matrix(f, "token_embd.weight", hp.n_vocab, E);
   m.output_norm = load_vector(f, "output_norm.weight", E);
   if (f.find_tensor("output.weight")) m.output = load_matrix(f, "output.weight", hp.n_vocab, E);
+  // A block count below the file's blocks would silently run a truncated model.
+  for (const GgufTensorInfo& t : f.tensors()) {
+    unsigned long long blk = 0;
+    if (t.name.rfind("blk.", 0) == 0 && std::sscanf(t.name.c_str() + 4, "%llu", &blk) == 1 &&
+        blk >= static_cast<unsigned long long>(hp.n_layer))
+      throw bad(fmt::format("tensor {} belongs to block {}, but llama.block_count is {}", gguf_quoted(t.name), blk,
+                            hp.n_layer));
+  }
   m.layers.resize(hp.n_layer);
   for (int il = 0; il < hp.n_layer; ++il) {
     const std::string p = fmt::format("blk.{}.", il);

@@ -104,16 +104,20 @@ Tokenizer Tokenizer::from_gguf(const GgufFile& gguf) {
                                                     : std::vector<float>(n, 0.0f);
   t.types_ = gguf.has_key("tokenizer.ggml.token_type") ? gguf.get_i32_array("tokenizer.ggml.token_type")
                                                        : std::vector<int32_t>(n, kNormal);
-  // NaN would break the merge agenda's strict ordering; treat such a piece as never preferred.
-  for (float& s : t.scores_) {
-    if (std::isnan(s)) s = -std::numeric_limits<float>::infinity();
-  }
   if (t.scores_.size() != n) {
     fail("tokenizer.ggml.scores has " + std::to_string(t.scores_.size()) + " entries, tokens has " + std::to_string(n));
   }
   if (t.types_.size() != n) {
     fail("tokenizer.ggml.token_type has " + std::to_string(t.types_.size()) + " entries, tokens has " +
          std::to_string(n));
+  }
+  // A corrupt score or type would silently change the tokenization (NaN also breaks the merge
+  // agenda's strict ordering).
+  for (size_t i = 0; i < n; ++i) {
+    if (std::isnan(t.scores_[i])) fail("tokenizer.ggml.scores[" + std::to_string(i) + "] is NaN");
+    if (t.types_[i] < kNormal || t.types_[i] > kByte)
+      fail("tokenizer.ggml.token_type[" + std::to_string(i) + "] = " + std::to_string(t.types_[i]) +
+           " is not a token type (1 normal .. 6 byte)");
   }
 
   auto special = [&](const char* key, int32_t fallback) {
