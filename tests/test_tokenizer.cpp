@@ -244,6 +244,19 @@ TEST(TokenizerMini, ValidationErrors) {
   }
 }
 
+// No token covers more bytes of text than the longest piece: the bound `locks run` uses to refuse a
+// prompt far beyond the context before tokenizing it.
+TEST(TokenizerMini, MaxPieceBytesBoundsTheTokenCount) {
+  const std::string S = "\xE2\x96\x81";  // ▁
+  const Tokenizer t = make(mini({S + "abcdefgh", "abcdefgh", "abcd", "ab", S, "a", "b", "c", "d", "e", "f", "g", "h"}));
+  EXPECT_EQ(t.max_piece_bytes(), 11u);  // ▁abcdefgh: 3 + 8 bytes
+  for (const std::string text : {"abcdefgh", "abcdefghabcdefgh abcdefgh", "ha ha ab\xC3\xA9" "cd", "\xF0\x9F\x98\x80\xF0\x9F\x98\x80"}) {
+    const size_t n = t.encode(text, false).size();
+    EXPECT_GE(n * t.max_piece_bytes(), text.size()) << text;
+  }
+  EXPECT_EQ(make(mini({"ab"})).max_piece_bytes(), 6u);  // the byte tokens' "<0xNN>"
+}
+
 TEST(TokenizerMini, MergeOrderAndTies) {
   const std::string S = "\xE2\x96\x81";  // ▁
   // Higher score wins: "bc" (score -0) before "ab" (-1) leaves a + bc.

@@ -36,9 +36,13 @@ class Tokenizer {
   int32_t unk() const { return unk_; }
   bool add_bos() const { return add_bos_; }
   const std::string& piece(int32_t id) const { return pieces_.at(static_cast<size_t>(id)); }
+  /// The most bytes of text one token covers (the longest piece, at least 4: an unknown character
+  /// or a byte token covers up to 4). So a text of n bytes needs at least n / max_piece_bytes() tokens.
+  size_t max_piece_bytes() const { return max_piece_bytes_; }
 
  private:
   std::vector<std::string> pieces_;
+  size_t max_piece_bytes_ = 4;
   std::vector<float> scores_;
   std::vector<int32_t> types_;  // 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
   // Transparent hash so the merge loop can look up string_views into the text without copying.

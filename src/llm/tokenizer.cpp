@@ -131,6 +131,8 @@ Tokenizer Tokenizer::from_gguf(const GgufFile& gguf) {
   t.add_bos_ = gguf.get_bool_or("tokenizer.ggml.add_bos_token", true);
   t.add_space_prefix_ = gguf.get_bool_or("tokenizer.ggml.add_space_prefix", true);
 
+  // A piece's bytes cover at least as many bytes of text ("▁", 3 bytes, stands for one space).
+  for (const std::string& p : t.pieces_) t.max_piece_bytes_ = std::max(t.max_piece_bytes_, p.size());
   std::fill(std::begin(t.byte_ids_), std::end(t.byte_ids_), -1);
   t.piece_to_id_.reserve(n);
   for (size_t i = 0; i < n; ++i) {
