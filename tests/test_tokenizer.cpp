@@ -244,17 +244,40 @@ TEST(TokenizerMini, ValidationErrors) {
   }
 }
 
-// No token covers more bytes of text than the longest piece: the bound `locks run` uses to refuse a
-// prompt far beyond the context before tokenizing it.
-TEST(TokenizerMini, MaxPieceBytesBoundsTheTokenCount) {
+// min_tokens is a lower bound on the token count (what `locks run` uses to refuse a prompt far beyond
+// the context before tokenizing it): a piece's "▁" covers one space; the whitespace squeeze of a
+// vocabulary without "▁▁" (this one) drops leading, trailing and repeated spaces.
+TEST(TokenizerMini, MinTokensIsALowerBound) {
   const std::string S = "\xE2\x96\x81";  // ▁
   const Tokenizer t = make(mini({S + "abcdefgh", "abcdefgh", "abcd", "ab", S, "a", "b", "c", "d", "e", "f", "g", "h"}));
-  EXPECT_EQ(t.max_piece_bytes(), 11u);  // ▁abcdefgh: 3 + 8 bytes
-  for (const std::string text : {"abcdefgh", "abcdefghabcdefgh abcdefgh", "ha ha ab\xC3\xA9" "cd", "\xF0\x9F\x98\x80\xF0\x9F\x98\x80"}) {
-    const size_t n = t.encode(text, false).size();
-    EXPECT_GE(n * t.max_piece_bytes(), text.size()) << text;
+  EXPECT_EQ(t.min_tokens(std::string(90, 'a')), 10u);  // the most text one token covers: ▁abcdefgh, 9 bytes
+  EXPECT_EQ(t.min_tokens(std::string(5000, ' ')), 0u);       // squeezed away: BOS only
+  EXPECT_EQ(t.min_tokens("ab" + std::string(300, ' ') + "cd"), 0u);
+  const std::vector<std::string> texts = {"abcdefgh abcdefgh  abcdefgh", "  ha ha ab\xC3\xA9" "cd  ", S + S + S + S + S,
+                                          "\xF0\x9F\x98\x80\xF0\x9F\x98\x80\xFF\xFE", std::string(900, 'a')};
+  for (const std::string& text : texts)
+    EXPECT_LE(t.min_tokens(text), t.encode(text, false).size()) << text;
+}
+
+// The same bound on the real vocabularies, over texts built to be hard for it: runs of spaces (squeezed
+// by stories260K), literal "▁" runs (locks-ref has pieces of sixteen), byte fallback, long words.
+TEST_P(TokenizerModels, MinTokensIsALowerBound) {
+  const std::string S = "\xE2\x96\x81";
+  std::vector<std::string> texts = {std::string(20000, ' '), "Once upon a time" + std::string(20000, ' ') + "there was",
+                                    std::string("\xFF\xFE\xFD\x80") + std::string(64, 'x')};
+  std::string lit;
+  for (int i = 0; i < 1600; ++i) lit += S;
+  texts.push_back(lit);
+  std::string mixed;
+  for (const auto& c : cases()) mixed += c["text"].get<std::string>() + "   ";
+  texts.push_back(mixed);
+  for (const std::string& text : texts) {
+    const size_t bound = tok_->min_tokens(text), n = tok_->encode(text, false).size();
+    EXPECT_LE(bound, n) << text.substr(0, 40);
   }
-  EXPECT_EQ(make(mini({"ab"})).max_piece_bytes(), 6u);  // the byte tokens' "<0xNN>"
+  // Not vacuous: a long ordinary text gets a bound within a factor 16 (locks-ref has pieces of ~30
+  // bytes; ordinary words take ~4 per token).
+  EXPECT_GT(tok_->min_tokens(mixed) * 16, tok_->encode(mixed, false).size()) << mixed.substr(0, 40);
 }
 
 TEST(TokenizerMini, MergeOrderAndTies) {

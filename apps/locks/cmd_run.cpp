@@ -70,15 +70,15 @@ int run(const RunArgs& a) {
   }
   const std::string model_path = a.model.empty() ? default_model_path() : a.model;
   const LlamaModel model = LlamaModel::load(model_path);
-  // A prompt far beyond the context is refused before tokenizing it (tens of seconds for ~100 MB):
-  // no token covers more than max_piece_bytes() bytes of it.
+  // A prompt far beyond the context is refused before tokenizing it (tens of seconds for ~100 MB),
+  // by a lower bound on its token count.
   const int64_t n_ctx = a.n_ctx > 0 ? a.n_ctx : model.hp.n_ctx_train;
-  const int64_t min_tokens = int64_t(prompt.size() / model.tokenizer.max_piece_bytes());
+  const int64_t min_tokens = int64_t(model.tokenizer.min_tokens(prompt));
   if (min_tokens + std::max(a.max_tokens - 1, 0) > n_ctx)
-    throw std::length_error(fmt::format(
-        "prompt of {} bytes is at least {} tokens (no token covers more than {} bytes) + {} to generate, more than the "
-        "context size of {} tokens",
-        prompt.size(), min_tokens, model.tokenizer.max_piece_bytes(), a.max_tokens, n_ctx));
+    throw std::length_error(fmt::format("prompt of {} bytes is at least {} token{} + {} to generate, more than the "
+                                        "context size of {} token{}",
+                                        prompt.size(), min_tokens, min_tokens == 1 ? "" : "s", a.max_tokens, n_ctx,
+                                        n_ctx == 1 ? "" : "s"));
   const std::vector<int32_t> ids = model.tokenizer.encode(prompt, true);
 
   // Options a selector does not use would silently not apply (eval refuses them in a selector spec).

@@ -36,13 +36,15 @@ class Tokenizer {
   int32_t unk() const { return unk_; }
   bool add_bos() const { return add_bos_; }
   const std::string& piece(int32_t id) const { return pieces_.at(static_cast<size_t>(id)); }
-  /// The most bytes of text one token covers (the longest piece, at least 4: an unknown character
-  /// or a byte token covers up to 4). So a text of n bytes needs at least n / max_piece_bytes() tokens.
-  size_t max_piece_bytes() const { return max_piece_bytes_; }
+  /// A lower bound on encode(text, false).size() without encoding (O(text) bytes, no allocation):
+  /// the bytes left after the whitespace squeeze (when the vocabulary squeezes), divided by the most
+  /// bytes of text one token covers (a "▁" in a piece stands for one space; at least 4, the bytes of
+  /// one character that falls back to <unk>).
+  size_t min_tokens(std::string_view text) const;
 
  private:
   std::vector<std::string> pieces_;
-  size_t max_piece_bytes_ = 4;
+  size_t max_text_bytes_ = 4;  // the most bytes of text one token covers
   std::vector<float> scores_;
   std::vector<int32_t> types_;  // 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
   // Transparent hash so the merge loop can look up string_views into the text without copying.

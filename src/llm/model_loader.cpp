@@ -1,7 +1,8 @@
 // GGUF -> LlamaModel: hyper-parameters from `llama.*` keys, weights dequantized to float32.
 #include <cmath>
-#include <cstdio>
 #include <stdexcept>
+#include <string>
+#include <string_view>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -82,10 +83,12 @@ LlamaModel LlamaModel::from_gguf(const GgufFile& f) {
   if (f.find_tensor("output.weight")) m.output = load_matrix(f, "output.weight", hp.n_vocab, E);
   // A block count below the file's blocks would silently run a truncated model.
   for (const GgufTensorInfo& t : f.tensors()) {
-    unsigned long long blk = 0;
-    if (t.name.rfind("blk.", 0) == 0 && std::sscanf(t.name.c_str() + 4, "%llu", &blk) == 1 &&
-        blk >= static_cast<unsigned long long>(hp.n_layer))
-      throw bad(fmt::format("tensor {} belongs to block {}, but llama.block_count is {}", gguf_quoted(t.name), blk,
+    if (t.name.rfind("blk.", 0) != 0) continue;
+    const size_t end = t.name.find_first_not_of("0123456789", 4);
+    if (end == 4 || end == std::string::npos || t.name[end] != '.') continue;  // not "blk.<digits>."
+    const std::string_view digits(t.name.data() + 4, end - 4);
+    if (digits.size() > 9 || std::stoi(std::string(digits)) >= hp.n_layer)
+      throw bad(fmt::format("tensor {} belongs to block {}, but llama.block_count is {}", gguf_quoted(t.name), digits,
                             hp.n_layer));
   }
   m.layers.resize(hp.n_layer);

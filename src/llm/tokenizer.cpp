@@ -131,8 +131,18 @@ Tokenizer Tokenizer::from_gguf(const GgufFile& gguf) {
   t.add_bos_ = gguf.get_bool_or("tokenizer.ggml.add_bos_token", true);
   t.add_space_prefix_ = gguf.get_bool_or("tokenizer.ggml.add_space_prefix", true);
 
-  // A piece's bytes cover at least as many bytes of text ("▁", 3 bytes, stands for one space).
-  for (const std::string& p : t.pieces_) t.max_piece_bytes_ = std::max(t.max_piece_bytes_, p.size());
+  // The most text bytes one token covers: a normal piece's bytes with each "▁" (3 bytes) one space;
+  // a user-defined piece may match literally, so all its bytes; a byte token 1; control none.
+  for (size_t i = 0; i < n; ++i) {
+    const std::string& p = t.pieces_[i];
+    size_t covers = p.size();
+    if (t.types_[i] == kByte) covers = 1;
+    if (t.types_[i] == kControl) covers = 0;
+    if (t.types_[i] == kNormal || t.types_[i] == kUnused)
+      for (size_t at = p.find(kSpace); at != std::string::npos; at = p.find(kSpace, at + kSpace.size()))
+        covers -= kSpace.size() - 1;
+    t.max_text_bytes_ = std::max(t.max_text_bytes_, covers);
+  }
   std::fill(std::begin(t.byte_ids_), std::end(t.byte_ids_), -1);
   t.piece_to_id_.reserve(n);
   for (size_t i = 0; i < n; ++i) {
@@ -166,6 +176,24 @@ Tokenizer Tokenizer::from_gguf(const GgufFile& gguf) {
     return t.pieces_[static_cast<size_t>(a)].size() > t.pieces_[static_cast<size_t>(b)].size();
   });
   return t;
+}
+
+size_t Tokenizer::min_tokens(std::string_view text) const {
+  // Units of text as the pieces see them: a space or a literal "▁" is one, any other byte one.
+  const bool squeeze = remove_extra_whitespaces_;  // as encode: no leading or trailing spaces, runs as one
+  if (squeeze) {
+    while (!text.empty() && text.front() == ' ') text.remove_prefix(1);
+    while (!text.empty() && text.back() == ' ') text.remove_suffix(1);
+  }
+  size_t units = 0;
+  for (size_t i = 0; i < text.size(); ++i) {
+    if (text.compare(i, kSpace.size(), kSpace) == 0)
+      i += kSpace.size() - 1;
+    else if (squeeze && text[i] == ' ' && i > 0 && text[i - 1] == ' ')
+      continue;
+    ++units;
+  }
+  return units / max_text_bytes_;
 }
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_bos) const {
