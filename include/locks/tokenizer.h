@@ -45,6 +45,8 @@ class Tokenizer {
  private:
   std::vector<std::string> pieces_;
   size_t max_text_bytes_ = 4;  // the most bytes of text one token covers
+  // The text encode() tokenizes: without leading and trailing spaces when the vocabulary squeezes.
+  std::string_view trimmed_for_encode(std::string_view text) const;
   std::vector<float> scores_;
   std::vector<int32_t> types_;  // 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
   // Transparent hash so the merge loop can look up string_views into the text without copying.

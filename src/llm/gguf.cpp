@@ -270,10 +270,8 @@ std::string ggml_type_name(uint32_t type) {
 
 GgufFile GgufFile::open(const std::string& path) {
   struct stat st{};
-  if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) throw std::runtime_error("GGUF '" + path + "': is a directory");
-  // A device or pipe has no size to map (/dev/zero would read as "0 bytes").
-  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode))
-    throw std::runtime_error("GGUF '" + path + "': not a regular file");
+  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode))  // a device or pipe has no size (/dev/zero: "0 bytes")
+    throw std::runtime_error("GGUF '" + path + (S_ISDIR(st.st_mode) ? "': is a directory" : "': not a regular file"));
   std::ifstream in(path, std::ios::binary | std::ios::ate);
   if (!in) throw std::runtime_error("GGUF '" + path + "': cannot open file");
   const std::streamoff size = in.tellg();

@@ -12,7 +12,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <queue>
 #include <stdexcept>
 
@@ -178,13 +177,18 @@ Tokenizer Tokenizer::from_gguf(const GgufFile& gguf) {
   return t;
 }
 
-size_t Tokenizer::min_tokens(std::string_view text) const {
-  // Units of text as the pieces see them: a space or a literal "▁" is one, any other byte one.
-  const bool squeeze = remove_extra_whitespaces_;  // as encode: no leading or trailing spaces, runs as one
-  if (squeeze) {
+std::string_view Tokenizer::trimmed_for_encode(std::string_view text) const {
+  if (remove_extra_whitespaces_) {  // SentencePiece's remove_extra_whitespaces: no leading or trailing spaces
     while (!text.empty() && text.front() == ' ') text.remove_prefix(1);
     while (!text.empty() && text.back() == ' ') text.remove_suffix(1);
   }
+  return text;
+}
+
+size_t Tokenizer::min_tokens(std::string_view text) const {
+  // Units of text as the pieces see them: a space or a literal "▁" is one, any other byte one.
+  const bool squeeze = remove_extra_whitespaces_;  // as encode: runs of spaces as one
+  text = trimmed_for_encode(text);
   size_t units = 0;
   for (size_t i = 0; i < text.size(); ++i) {
     if (text.compare(i, kSpace.size(), kSpace) == 0)
@@ -200,10 +204,7 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_bos) cons
   std::vector<int32_t> out;
   if (add_bos) out.push_back(bos_);
   const bool squeeze = remove_extra_whitespaces_;
-  if (squeeze) {
-    while (!text.empty() && text.front() == ' ') text.remove_prefix(1);
-    while (!text.empty() && text.back() == ' ') text.remove_suffix(1);
-  }
+  text = trimmed_for_encode(text);
   if (text.empty()) return out;
 
   std::string norm;
