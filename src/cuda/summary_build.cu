@@ -1,6 +1,13 @@
-// Alg. 1 (page summary build) on the GPU: one warp per (page, KV head), float64 Gram matrix and a
-// parallel-order cyclic Jacobi eigensolver in shared memory, quantized on the fly into the device
-// record (record_layout.h). CPU twin: build_page_summary + PageSummaryStore::store.
+// Alg. 1 (page summary build) on the GPU: one warp per (page, KV head): float64 centroid, float64
+// Gram matrix on the FP64 tensor cores, a parallel-order cyclic Jacobi eigensolver in float32 in
+// shared memory, eigenvalues refined in float64 (Rayleigh quotients), float64 basis and
+// coefficients, quantized on the fly into the device record (record_layout.h). CPU twin:
+// build_page_summary + PageSummaryStore::store (float64 throughout).
+//
+// Latency matters here: decoding builds one new page per sequence every 16 steps, a launch of a
+// few warps. On the H200 (globaltimer stamps, 4 items) the all-float64 version spent 168 us in the
+// kernel, 145 of them in the Jacobi rounds (float64 divisions and square roots on each round's
+// critical path), 10 in the Gram matrix and 9 in the basis (float -> double conversions).
 #include <cfloat>
 #include <cmath>
 
@@ -18,17 +25,27 @@ constexpr int kWarps = 4;
 
 template <int D>
 struct BuildSmem {
-  float keys[16][D + 1];  // padded: Gram lanes read 16 different rows at one column
+  float keys[16][D + 4];  // padded: the Gram fragments' loads (rows g, columns 4k + t) hit 32 banks
   double mu[D];
-  double a[16][16];     // Gram matrix, diagonalised in place
-  double u[16][16];     // eigenvectors (columns)
-  double rc[8], rs[8];  // this round's rotations
+  double gram[16][16];  // float64 Gram matrix (Rayleigh quotients)
+  float a[16][17];      // its float32 copy, diagonalised in place (padded rows)
+  float u[16][17];      // eigenvectors (columns)
+  float rc[8], rs[8];   // this round's rotations
   int rp[8], rq[8];
-  double w[16];
+  double w[16], unorm_inv[16];  // eigenvalues, 1 / |u_k|
+  double ud[16][kSummaryRank];  // kept eigenvectors, float64, unit length, in descending order
   int order[16];
-  double sigma[8];
+  double sigma[8], sigma_inv[8];
   uint16_t coef_scale[16], basis_scale[8], centroid_scale;
 };
+
+// D (8x8) += A (8x4) B (4x8) in float64 on the tensor cores: a = A[lane / 4][lane % 4],
+// b = B[lane % 4][lane / 4], d[e] = D[lane / 4][2 (lane % 4) + e] (PTX ISA, mma m8n8k4 .f64).
+__device__ __forceinline__ void dmma_884(double (&d)[2], double a, double b) {
+  asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0, %1}, {%2}, {%3}, {%0, %1};"
+               : "+d"(d[0]), "+d"(d[1])
+               : "d"(a), "d"(b));
+}
 
 __device__ __forceinline__ uint16_t f16_bits(float x) { return __half_as_ushort(__float2half_rn(x)); }
 
@@ -50,7 +67,8 @@ __device__ __forceinline__ float warp_max(float x) {
   for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(kFull, x, o));
   return x;
 }
-__device__ __forceinline__ double warp_sum(double x) {
+template <typename F>
+__device__ __forceinline__ F warp_sum(F x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(kFull, x, o);
   return x;
@@ -100,64 +118,77 @@ __global__ void __launch_bounds__(kWarps * 32) summary_build_kernel(SummaryBuild
   }
   __syncwarp();
 
-  // Alg. 1 line 2: Gram matrix of the centred keys, 136 distinct entries over the warp.
-  for (int e = lane; e < 136; e += 32) {
-    // e -> (i, j), i <= j, row-major over the upper triangle.
-    int i = 0, rem = e;
-    while (rem >= 16 - i) {
-      rem -= 16 - i;
-      ++i;
+  // Alg. 1 line 2: Gram matrix G = D D^T of the centred keys (rows = tokens), float64 on the tensor
+  // cores: tiles (0, 0), (0, 1), (1, 1) of 8x8, D / 4 k-steps each; the A and B fragments of a
+  // k-step are the same two centred values per lane (G is symmetric), rows g and 8 + g.
+  {
+    const int g = lane >> 2, t = lane & 3;
+    double c00[2] = {0.0, 0.0}, c01[2] = {0.0, 0.0}, c11[2] = {0.0, 0.0};
+#pragma unroll 4
+    for (int ks = 0; ks < D / 4; ++ks) {
+      const int col = 4 * ks + t;
+      const double mc = s.mu[col];
+      const double x0 = double(s.keys[g][col]) - mc, x1 = double(s.keys[8 + g][col]) - mc;
+      dmma_884(c00, x0, x0);
+      dmma_884(c01, x0, x1);
+      dmma_884(c11, x1, x1);
     }
-    const int j = i + rem;
-    double acc = 0.0;
-    for (int c = 0; c < D; ++c) {
-      const double mc = s.mu[c];
-      acc = fma(double(s.keys[i][c]) - mc, double(s.keys[j][c]) - mc, acc);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int j = 2 * t + e;
+      s.gram[g][j] = c00[e];
+      s.gram[g][8 + j] = s.gram[8 + j][g] = c01[e];
+      s.gram[8 + g][8 + j] = c11[e];
+      s.a[g][j] = float(c00[e]);
+      s.a[g][8 + j] = s.a[8 + j][g] = float(c01[e]);
+      s.a[8 + g][8 + j] = float(c11[e]);
     }
-    s.a[i][j] = acc;
-    s.a[j][i] = acc;
   }
-  for (int e = lane; e < 256; e += 32) s.u[e / 16][e % 16] = (e / 16 == e % 16) ? 1.0 : 0.0;
+  for (int e = lane; e < 256; e += 32) s.u[e / 16][e % 16] = (e / 16 == e % 16) ? 1.0f : 0.0f;
   __syncwarp();
 
-  // Parallel cyclic Jacobi (round-robin ordering: 15 rounds of 8 disjoint rotations per sweep).
-  // Rotations of one round touch disjoint row/column pairs, so applying them together equals
-  // applying them one after the other; angles as the CPU (Golub & Van Loan 8.4.1).
-  double total = 0.0;
+  // Parallel cyclic Jacobi in float32 (round-robin ordering: 15 rounds of 8 disjoint rotations per
+  // sweep). Rotations of one round touch disjoint row/column pairs, so applying them together equals
+  // applying them one after the other; angles as the CPU (Golub & Van Loan 8.4.1). float32: the
+  // eigenvectors come out to ~1e-6, far finer than the int4 basis and int8 coefficients resolve,
+  // and the eigenvalues are refined in float64 below. Stops when the off-diagonal mass is below
+  // 1e-12 of the total (5 sweeps on the benchmark's keys; float32 rounding would let it go on to
+  // ~1e-19); NaN input stops at once.
+  float total = 0.0f;
   for (int e = lane; e < 256; e += 32) total += s.a[e / 16][e % 16] * s.a[e / 16][e % 16];
   total = warp_sum(total);
-  for (int sweep = 0; sweep < 30; ++sweep) {
-    double off = 0.0;
-    for (int e = lane; e < 256; e += 32) {
-      const int r = e / 16, c = e % 16;
+  for (int sweep = 0; sweep < 20; ++sweep) {
+    float off = 0.0f;
+#pragma unroll
+    for (int it = 0; it < 8; ++it) {
+      const int r = it * 2 + (lane >> 4), c = lane & 15;
       if (r < c) off += s.a[r][c] * s.a[r][c];
     }
     off = warp_sum(off);
-    // Off-diagonal mass below 1e-24 of the total (entries ~1e-12 relative) is far below what the
-    // f32 / int4 / int8 summary resolves; the CPU twin iterates to 1e-30, which rounding noise in
-    // float64 rarely reaches (it then runs all 30 sweeps). Results agree to ~1e-12.
-    if (off <= 1e-24 * total || off == 0.0) break;
+    if (!(off > 1e-12f * total)) break;
     for (int round = 0; round < 15; ++round) {
       if (lane < 8) {
-        int pp, qq;
-        if (lane == 0) {
-          pp = round;
-          qq = 15;
-        } else {
-          pp = (round + lane) % 15;
-          qq = (round - lane + 15) % 15;
-        }
+        // Round-robin pairs: lane 0 (round, 15), lane l (round + l, round - l) mod 15.
+        int pp = lane == 0 ? round : round + lane, qq = lane == 0 ? 15 : round - lane;
+        if (pp >= 15) pp -= 15;
+        if (qq < 0) qq += 15;
         if (pp > qq) {
           const int t = pp;
           pp = qq;
           qq = t;
         }
-        const double apq = s.a[pp][qq];
-        double c = 1.0, sn = 0.0;
-        if (fabs(apq) > 1e-300) {
-          const double theta = (s.a[qq][qq] - s.a[pp][pp]) / (2.0 * apq);
-          const double t = (theta >= 0 ? 1.0 : -1.0) / (fabs(theta) + sqrt(theta * theta + 1.0));
-          c = 1.0 / sqrt(t * t + 1.0);
+        const float apq = s.a[pp][qq];
+        float c = 1.0f, sn = 0.0f;
+        if (apq != 0.0f) {
+          // theta = (a_qq - a_pp) / (2 a_pq), t = sign(theta) / (|theta| + sqrt(theta^2 + 1)) =
+          // sign(theta) r / (|theta| r + 1) with r = 1 / sqrt(theta^2 + 1), c = 1 / sqrt(t^2 + 1), s = t c,
+          // by the SFU's approximate reciprocal and reciprocal square root (~2 ulp: c^2 + s^2 = 1 to
+          // ~1e-7, a scaling that the Rayleigh quotients' normalisation below removes). |theta| is
+          // clamped at 1e18, where t ~ 5e-19 is no rotation, so that theta^2 stays finite.
+          const float theta = fminf(fmaxf(__fdividef(s.a[qq][qq] - s.a[pp][pp], 2.0f * apq), -1e18f), 1e18f);
+          const float r = rsqrtf(fmaf(theta, theta, 1.0f));
+          const float t = (theta >= 0.0f ? 1.0f : -1.0f) * __fdividef(r, fmaf(fabsf(theta), r, 1.0f));
+          c = rsqrtf(fmaf(t, t, 1.0f));
           sn = t * c;
         }
         s.rc[lane] = c;
@@ -169,34 +200,92 @@ __global__ void __launch_bounds__(kWarps * 32) summary_build_kernel(SummaryBuild
       // A <- J^T A J and U <- U J in one pass: the round's 8 pairs partition the 16 indices, so A
       // splits into 64 2x2 blocks (rows of pair i, columns of pair j) that transform independently,
       // each as two passes over the whole matrix would (columns with pair j, then rows with pair i).
-      for (int e = lane; e < 64; e += 32) {
-        const int bi = e / 8, bj = e % 8;
-        const int pi = s.rp[bi], qi = s.rq[bi], pj = s.rp[bj], qj = s.rq[bj];
-        const double ci = s.rc[bi], si = s.rs[bi], cj = s.rc[bj], sj = s.rs[bj];
-        const double x_pp = s.a[pi][pj], x_pq = s.a[pi][qj], x_qp = s.a[qi][pj], x_qq = s.a[qi][qj];
-        const double y_pp = cj * x_pp - sj * x_pq, y_pq = sj * x_pp + cj * x_pq;  // row pi, columns rotated
-        const double y_qp = cj * x_qp - sj * x_qq, y_qq = sj * x_qp + cj * x_qq;  // row qi
-        const bool diag = bi == bj;  // the pair's own block: its off-diagonal is annihilated
-        s.a[pi][pj] = ci * y_pp - si * y_qp;
-        s.a[qi][pj] = diag ? 0.0 : si * y_pp + ci * y_qp;
-        s.a[pi][qj] = diag ? 0.0 : ci * y_pq - si * y_qq;
-        s.a[qi][qj] = si * y_pq + ci * y_qq;
-      }
-      for (int e = lane; e < 128; e += 32) {
-        const int m = e / 16, k = e % 16;
-        const double c = s.rc[m], sn = s.rs[m];
-        const int pp = s.rp[m], qq = s.rq[m];
-        const double xp = s.u[k][pp], xq = s.u[k][qq];
-        s.u[k][pp] = c * xp - sn * xq;
-        s.u[k][qq] = sn * xp + c * xq;
+      // Lane: blocks (lane / 8, lane % 8) and (lane / 8 + 4, lane % 8) of A, and entries (k, p_m),
+      // (k, q_m) of U for k = lane % 16, m = lane / 16 + 2 it. Every load of the round goes out before
+      // the first store (they touch disjoint entries, which the compiler cannot know).
+      {
+        const int bj = lane & 7, k = lane & 15;
+        const int pj = s.rp[bj], qj = s.rq[bj];
+        const float cj = s.rc[bj], sj = s.rs[bj];
+        int pi[2], qi[2], pm[4], qm[4];
+        float ci[2], si[2], cm[4], sm[4], x[2][4], y[4][2];
+#pragma unroll
+        for (int it = 0; it < 2; ++it) {
+          const int bi = (lane >> 3) + 4 * it;
+          pi[it] = s.rp[bi];
+          qi[it] = s.rq[bi];
+          ci[it] = s.rc[bi];
+          si[it] = s.rs[bi];
+        }
+#pragma unroll
+        for (int it = 0; it < 4; ++it) {
+          const int m = (lane >> 4) + 2 * it;
+          pm[it] = s.rp[m];
+          qm[it] = s.rq[m];
+          cm[it] = s.rc[m];
+          sm[it] = s.rs[m];
+        }
+#pragma unroll
+        for (int it = 0; it < 2; ++it) {
+          x[it][0] = s.a[pi[it]][pj];
+          x[it][1] = s.a[pi[it]][qj];
+          x[it][2] = s.a[qi[it]][pj];
+          x[it][3] = s.a[qi[it]][qj];
+        }
+#pragma unroll
+        for (int it = 0; it < 4; ++it) {
+          y[it][0] = s.u[k][pm[it]];
+          y[it][1] = s.u[k][qm[it]];
+        }
+#pragma unroll
+        for (int it = 0; it < 2; ++it) {
+          const float y_pp = cj * x[it][0] - sj * x[it][1], y_pq = sj * x[it][0] + cj * x[it][1];  // row p_i
+          const float y_qp = cj * x[it][2] - sj * x[it][3], y_qq = sj * x[it][2] + cj * x[it][3];  // row q_i
+          const bool diag = (lane >> 3) + 4 * it == bj;  // the pair's own block: its off-diagonal is annihilated
+          s.a[pi[it]][pj] = ci[it] * y_pp - si[it] * y_qp;
+          s.a[qi[it]][pj] = diag ? 0.0f : si[it] * y_pp + ci[it] * y_qp;
+          s.a[pi[it]][qj] = diag ? 0.0f : ci[it] * y_pq - si[it] * y_qq;
+          s.a[qi[it]][qj] = si[it] * y_pq + ci[it] * y_qq;
+        }
+#pragma unroll
+        for (int it = 0; it < 4; ++it) {
+          s.u[k][pm[it]] = cm[it] * y[it][0] - sm[it] * y[it][1];
+          s.u[k][qm[it]] = sm[it] * y[it][0] + cm[it] * y[it][1];
+        }
       }
       __syncwarp();
     }
   }
 
-  // Eigenvalues descending (stable for ties, as std::stable_sort on the CPU).
-  if (lane < 16) s.w[lane] = s.a[lane][lane];
+  // Eigenvalues: Rayleigh quotients u_k^T G u_k / u_k^T u_k of the float64 Gram matrix, whose error is
+  // quadratic in the eigenvectors' (~1e-12 relative; the CPU twin's float64 Jacobi agrees to that).
+  // Lanes k and k + 16 take rows 0..7 and 8..15 of eigenvector k.
+  {
+    const int k = lane & 15, i0 = (lane >> 4) * 8;
+    double uk[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) uk[j] = s.u[j][k];
+    double num = 0.0, nrm = 0.0;
+#pragma unroll
+    for (int ii = 0; ii < 8; ++ii) {
+      const int i = i0 + ii;
+      double gi = 0.0;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) gi = fma(s.gram[i][j], uk[j], gi);
+      const double ui = s.u[i][k];
+      num = fma(ui, gi, num);
+      nrm = fma(ui, ui, nrm);
+    }
+    num += __shfl_xor_sync(kFull, num, 16);
+    nrm += __shfl_xor_sync(kFull, nrm, 16);
+    if (lane < 16) {
+      s.w[lane] = nrm > 0.0 ? num / nrm : 0.0;
+      s.unorm_inv[lane] = nrm > 0.0 ? rsqrt(nrm) : 0.0;
+    }
+  }
   __syncwarp();
+
+  // Eigenvalues descending (stable for ties, as std::stable_sort on the CPU).
   if (lane < 16) {
     const double wi = s.w[lane];
     int rank = 0;
@@ -205,56 +294,87 @@ __global__ void __launch_bounds__(kWarps * 32) summary_build_kernel(SummaryBuild
   }
   __syncwarp();
 
-  // Alg. 1 lines 3-4: keep the top 8 directions above the relative floor; the rest is the tail.
-  const double smax2 = fmax(s.w[s.order[0]], 0.0);
-  const double floor2 = fmax(smax2 * 1e-12, 1e-30);
-  if (lane == 0) {
-    double tail = 0.0;
-    for (int k = 0; k < 16; ++k) {
-      const double l = fmax(s.w[s.order[k]], 0.0);
-      if (k >= kSummaryRank || l <= floor2) tail += l;
-      if (k < kSummaryRank) s.sigma[k] = l <= floor2 ? 0.0 : sqrt(l);
+  // Alg. 1 lines 3-4: keep the top 8 directions above the relative floor; the rest is the tail
+  // (lane k < 16: the k-th largest eigenvalue).
+  {
+    const double smax2 = fmax(s.w[s.order[0]], 0.0);
+    const double floor2 = fmax(smax2 * 1e-12, 1e-30);
+    const double l = lane < 16 ? fmax(s.w[s.order[lane]], 0.0) : 0.0;
+    const bool kept = lane < kSummaryRank && l > floor2;
+    double tail = kept ? 0.0 : l;
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) tail += __shfl_xor_sync(kFull, tail, o);  // lanes 0..15, in this order
+    if (lane < kSummaryRank) {
+      s.sigma[lane] = kept ? sqrt(l) : 0.0;
+      s.sigma_inv[lane] = kept ? 1.0 / sqrt(l) : 0.0;
     }
-    if (p.tails) p.tails[size_t(h) * p.n_pages_pool + page] = float(tail);
+    if (lane == 0 && p.tails) p.tails[size_t(h) * p.n_pages_pool + page] = float(tail);
+  }
+  __syncwarp();
+
+  // The kept eigenvectors in float64, unit length, in descending order of their eigenvalues.
+  for (int e = lane; e < 16 * kSummaryRank; e += 32) {
+    const int i = e / kSummaryRank, k = e % kSummaryRank, col = s.order[k];
+    s.ud[i][k] = double(s.u[i][col]) * s.unorm_inv[col];
   }
   __syncwarp();
 
   uint8_t* rec = p.records + (size_t(h) * p.n_pages_pool + page) * L::record_bytes(D);
 
-  // Basis V = D^T U_r Sigma_r^-1, one column at a time, quantized to int4 with one scale per column.
-#pragma unroll 1
-  for (int k = 0; k < kSummaryRank; ++k) {
-    const double sg = s.sigma[k];
-    const int col = s.order[k];
-    float v[D / 32];
-    float amax = 0.0f;
+  // Basis V = D^T U_r Sigma_r^-1 in float64: lane's dims lane + 32 m, all 8 columns at once (32
+  // independent sums), then int4 with one scale per column.
+  {
+    constexpr int M = D / 32;
+    double vs[M][kSummaryRank];
+    double md[M];
 #pragma unroll
-    for (int m = 0; m < D / 32; ++m) {
-      const int c = lane + 32 * m;
-      float x = 0.0f;
-      if (sg > 0.0) {
-        const double mc = s.mu[c];
-        double acc = 0.0;
+    for (int m = 0; m < M; ++m) {
+      md[m] = s.mu[lane + 32 * m];
 #pragma unroll
-        for (int i = 0; i < 16; ++i) acc = fma(double(s.keys[i][c]) - mc, s.u[i][col], acc);
-        x = float(acc / sg);
+      for (int k = 0; k < kSummaryRank; ++k) vs[m][k] = 0.0;
+    }
+#pragma unroll 2
+    for (int i = 0; i < 16; ++i) {
+      double dl[M];
+#pragma unroll
+      for (int m = 0; m < M; ++m) dl[m] = double(s.keys[i][lane + 32 * m]) - md[m];
+#pragma unroll
+      for (int k = 0; k < kSummaryRank; ++k) {
+        const double uik = s.ud[i][k];
+#pragma unroll
+        for (int m = 0; m < M; ++m) vs[m][k] = fma(dl[m], uik, vs[m][k]);
       }
-      v[m] = x;
-      amax = fmaxf(amax, fabsf(x));
     }
-    amax = warp_max(amax);
-    uint16_t sbits;
-    const float scale = quant_scale(amax, 7, sbits);
-    const float inv = scale > 0.0f ? __frcp_rn(scale) : 0.0f;
+    float v[M][kSummaryRank], amax[kSummaryRank];
 #pragma unroll
-    for (int m = 0; m < D / 32; ++m) {
-      const int c = lane + 32 * m;
-      const int code = quant_code(v[m], inv, 7);
-      const int code_next = __shfl_down_sync(kFull, code, 1);
-      if ((lane & 1) == 0)
-        rec[L::basis_offset(D) + size_t(k) * (D / 2) + c / 2] = uint8_t((code + 8) | ((code_next + 8) << 4));
+    for (int k = 0; k < kSummaryRank; ++k) {
+      const double si = s.sigma_inv[k];
+      amax[k] = 0.0f;
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        v[m][k] = si > 0.0 ? float(vs[m][k] * si) : 0.0f;
+        amax[k] = fmaxf(amax[k], fabsf(v[m][k]));
+      }
     }
-    if (lane == 0) s.basis_scale[k] = sbits;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+      for (int k = 0; k < kSummaryRank; ++k) amax[k] = fmaxf(amax[k], __shfl_xor_sync(kFull, amax[k], o));
+#pragma unroll
+    for (int k = 0; k < kSummaryRank; ++k) {
+      uint16_t sbits;
+      const float scale = quant_scale(amax[k], 7, sbits);
+      const float inv = scale > 0.0f ? __frcp_rn(scale) : 0.0f;
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const int c = lane + 32 * m;
+        const int code = quant_code(v[m][k], inv, 7);
+        const int code_next = __shfl_down_sync(kFull, code, 1);
+        if ((lane & 1) == 0)
+          rec[L::basis_offset(D) + size_t(k) * (D / 2) + c / 2] = uint8_t((code + 8) | ((code_next + 8) << 4));
+      }
+      if (lane == 0) s.basis_scale[k] = sbits;
+    }
   }
 
   // Coefficients C = U_r Sigma_r: one token row per lane (lanes 0..15), int8 with one scale per row.
@@ -265,7 +385,7 @@ __global__ void __launch_bounds__(kWarps * 32) summary_build_kernel(SummaryBuild
 #pragma unroll
     for (int k = 0; k < kSummaryRank; ++k) {
       const double sg = s.sigma[k];
-      c8[k] = sg > 0.0 ? float(s.u[i][s.order[k]] * sg) : 0.0f;
+      c8[k] = sg > 0.0 ? float(s.ud[i][k] * sg) : 0.0f;
       amax = fmaxf(amax, fabsf(c8[k]));
     }
     uint16_t sbits;
