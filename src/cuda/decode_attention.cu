@@ -225,16 +225,25 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
     int nlen = 0;
     if (more) page_of(m + 1, noff, nlen);
 
-    // S = Q K^T (log2 units), two n-tiles of 8 tokens.
+    // S = Q K^T (log2 units), two n-tiles of 8 tokens. G > 8: the low halves of q accumulate apart
+    // (four chains of KS MMAs instead of two of 2 KS: the chain's latency is the page's critical path).
     float sc0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sc1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float sl0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sl1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) {
       const int i = kk >> 1, hh = kk & 1;
       mma_16816(sc0, aq[kk], u4w(kr[0][i], 2 * hh), u4w(kr[0][i], 2 * hh + 1), T());
       mma_16816(sc1, aq[kk], u4w(kr[1][i], 2 * hh), u4w(kr[1][i], 2 * hh + 1), T());
       if constexpr (ROWS == 2) {
-        mma_16816(sc0, aq_lo[kk], u4w(kr[0][i], 2 * hh), u4w(kr[0][i], 2 * hh + 1), T());
-        mma_16816(sc1, aq_lo[kk], u4w(kr[1][i], 2 * hh), u4w(kr[1][i], 2 * hh + 1), T());
+        mma_16816(sl0, aq_lo[kk], u4w(kr[0][i], 2 * hh), u4w(kr[0][i], 2 * hh + 1), T());
+        mma_16816(sl1, aq_lo[kk], u4w(kr[1][i], 2 * hh), u4w(kr[1][i], 2 * hh + 1), T());
+      }
+    }
+    if constexpr (ROWS == 2) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        sc0[e] += sl0[e];
+        sc1[e] += sl1[e];
       }
     }
     if (more) load_k(noff, nlen);  // next page's K while this one finishes
