@@ -454,15 +454,19 @@ struct SelectOut {
 };
 
 // chunk_stats (with n_chunks): the score pass's deferred statistics, merged into lse_total here.
-SelectOut run_select(int B, int H, int G, const std::vector<int32_t>& indptr, const std::vector<float>& lm,
-                     const std::vector<float>& lse_total, int stride, int k,
-                     const std::vector<float>* chunk_stats = nullptr, int n_chunks = 0) {
+// candidates: with the share kernel's per-CTA candidate lists (as the decode step runs it).
+SelectOut run_select_once(int B, int H, int G, const std::vector<int32_t>& indptr, const std::vector<float>& lm,
+                          const std::vector<float>& lse_total, int stride, int k, const std::vector<float>* chunk_stats,
+                          int n_chunks, bool candidates) {
   Dev<int32_t> dindptr(indptr), dsel(size_t(B) * H * k), dn(size_t(B) * H);
   Dev<float> dlm(lm), dlse(lse_total), dsh(size_t(B) * H * stride);
   Dev<float> dstats(chunk_stats ? *chunk_stats : std::vector<float>{});
   Dev<uint32_t> dkeys(size_t(B) * H * stride), dhist(size_t(B) * H * lc::kHistBins);
+  Dev<unsigned long long> dcand(size_t(B) * H * stride);
+  Dev<int32_t> dncand(size_t(B) * H * ((stride + 1023) / 1024));
   dhist.fill_bytes(0);
   dsel.fill_bytes(0xff);
+  dcand.fill_bytes(0xff);  // stale entries must never be read
   lc::SelectParams p;
   p.batch = B;
   p.n_head_kv = H;
@@ -482,12 +486,30 @@ SelectOut run_select(int B, int H, int G, const std::vector<int32_t>& indptr, co
     p.chunk_stats = dstats.p;
     p.n_chunks = n_chunks;
   }
+  if (candidates) {
+    p.candidates = dcand.p;
+    p.n_candidates = dncand.p;
+  }
   ck(lc::select_pages(p, nullptr), "select_pages");
   dev_sync();
   SelectOut o{dsel.down(), dn.down(), dsh.down(), dlse.down()};
   const auto hist = dhist.down();
   for (uint32_t c : hist) EXPECT_EQ(c, 0u) << "select histograms must be left at zero";
   return o;
+}
+
+// Both ways (every key scanned; the candidate lists): the same selection, position for position.
+SelectOut run_select(int B, int H, int G, const std::vector<int32_t>& indptr, const std::vector<float>& lm,
+                     const std::vector<float>& lse_total, int stride, int k,
+                     const std::vector<float>* chunk_stats = nullptr, int n_chunks = 0) {
+  const SelectOut all = run_select_once(B, H, G, indptr, lm, lse_total, stride, k, chunk_stats, n_chunks, false);
+  const SelectOut lists = run_select_once(B, H, G, indptr, lm, lse_total, stride, k, chunk_stats, n_chunks, true);
+  EXPECT_EQ(all.n_sel, lists.n_sel) << "select with candidate lists: n_selected";
+  for (int bh = 0; bh < B * H; ++bh)
+    for (int i = 0; i < std::max(0, all.n_sel[bh]); ++i)
+      EXPECT_EQ(all.sel[size_t(bh) * k + i], lists.sel[size_t(bh) * k + i])
+          << "select with candidate lists: (b, h) " << bh << " position " << i;
+  return lists;
 }
 
 // For every (b, h): the GPU set is valid (sorted, unique, sink + recent, size min(k, n)) and captures
@@ -832,8 +854,8 @@ TEST(CudaSelect, MatchesCpuByCapturedShareMass) {
   std::normal_distribution<float> N(0.0f, 1.0f);
   for (int G : {1, 4, 7, 16})
     for (int k : {2, 3, 16, 128}) {
-      const int B = 3, H = 2;
-      const std::vector<int> n = {1500, 200, k + 1};
+      const int B = 4, H = 2;
+      const std::vector<int> n = {1500, 200, k + 1, 40000};  // 40000: 40 candidate lists, > 1 per select warp
       std::vector<int32_t> indptr = {0};
       int mx = 0;
       for (int x : n) {

@@ -12,6 +12,8 @@ namespace locks::cuda {
 
 // Defined beside their kernels.
 cudaError_t prepare_select(int log_mass_stride);
+int share_ctas_per_sm(int group, bool merge);
+int share_pages_per_cta();
 int attention_max_splits();
 int attention_ctas_per_sm(int head_dim, int group, KvType dtype, bool group_halves);
 int score_ctas_per_sm(int head_dim, int group);
@@ -113,6 +115,15 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device) {
   // at 1M; 43.5 -> 42.0 at 128K, 4 KV heads). With few chunks (batch 8, 12 chunks) that merge is
   // short and the share kernel's own costs more (1M tokens, 4 KV heads: 524 -> 530 us).
   p.defer_lse_total = p.score_chunks >= 32;
+  // Select from the share kernel's per-CTA candidate lists while that kernel fits in one wave: then
+  // its extra pass (a local threshold, the lists) runs beside the others, and select reads ~1/8 of
+  // the keys (H200, two runs each: steps 1M tokens, 4 KV heads, batch 2 160.6-161.4 -> 158.1-158.3 us;
+  // 2 KV heads batch 1 84.4-85.2 -> 82.4). In several waves it costs more than it saves (4 KV heads,
+  // batch 8: 525.7-526.1 -> 528.2-530.7 us).
+  {
+    const long share_ctas = bh * div_up(long(p.log_mass_stride), share_pages_per_cta());
+    p.select_candidates = share_ctas <= long(p.n_sm) * share_ctas_per_sm(sh.group, p.defer_lse_total);
+  }
 
   // Attention: one wave of CTAs; at least one page per warp; at most max_splits splits.
   // Sparse attention with G > 8 runs as two CTAs of <= 8 heads per split: twice the CTAs, each with
@@ -155,6 +166,9 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device) {
   p.off_lse_total = take(sizeof(float) * bh * sh.group);
   p.off_chunk_stats = take(sizeof(float) * 2 * bh * p.score_chunks * 16);
   p.off_keys = take(sizeof(uint32_t) * bh * p.log_mass_stride);
+  p.off_candidates = take(p.select_candidates ? sizeof(unsigned long long) * bh * p.log_mass_stride : 0);
+  p.off_n_candidates =
+      take(p.select_candidates ? sizeof(int32_t) * bh * div_up(p.log_mass_stride, share_pages_per_cta()) : 0);
   p.off_selected = take(sizeof(int32_t) * bh * sh.budget_pages);
   p.off_n_selected = take(sizeof(int32_t) * bh);
   p.off_partial_o = take(sizeof(float) * bh * splits * 16 * sh.head_dim);
@@ -246,6 +260,10 @@ SelectParams step_select_params(const DecodePlan& plan, const DecodeStepParams& 
   se.lse_total = at<float>(p.workspace, plan.off_lse_total);
   se.budget_pages = sh.budget_pages;
   se.keys = at<uint32_t>(p.workspace, plan.off_keys);
+  if (plan.select_candidates) {
+    se.candidates = at<unsigned long long>(p.workspace, plan.off_candidates);
+    se.n_candidates = at<int32_t>(p.workspace, plan.off_n_candidates);
+  }
   se.hist = at<uint32_t>(p.workspace, plan.off_hist);
   se.selected = at<int32_t>(p.workspace, plan.off_selected);
   se.n_selected = at<int32_t>(p.workspace, plan.off_n_selected);

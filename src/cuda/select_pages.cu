@@ -25,88 +25,10 @@ constexpr int kSelectThreads = 1024;
 constexpr int kCandCap = 4096;
 
 constexpr int kSharePages = 4;  // consecutive pages per thread (16-byte loads)
-
-// GT: the group size rounded up to 8 or 16, so that G <= 8 holds half the log-mass registers (48
-// instead of 80 registers: 5 instead of 3 CTAs per SM, more loads in flight). MERGE: lse_total from
-// the chunk statistics (p.chunk_stats), a separate instance because the merge costs registers (63
-// at G <= 8, 4 CTAs per SM: at batch 8, 1M tokens, 4 KV heads, select 34 -> 38 us).
-template <int GT, bool MERGE>
-__global__ void __launch_bounds__(kShareThreads) share_hist_kernel(SelectParams p) {
-  __shared__ uint32_t hist[kHistBins];
-  __shared__ float lse2[kMaxGroup];
-  pdl_wait();
-  pdl_launch_dependents();
-  const int b = blockIdx.z, h = blockIdx.y;
-  const size_t bh = size_t(b) * p.n_head_kv + h;
-  const int n = p.indptr[b + 1] - p.indptr[b];
-  const int j0 = blockIdx.x * kShareThreads * kSharePages;
-  if (j0 >= n || n > p.log_mass_stride) return;  // (too many pages: bad input, see select_kernel)
-  const int k = max(p.budget_pages, 2);
-  const bool topk = n > k;
-  const int j = j0 + threadIdx.x * kSharePages;  // pages j .. j+3 (the stride is a multiple of 8)
-  // Eq. 5: m_bar_j = (1/G) sum_g exp(s_hat_j(q_g) - logsumexp_j' s_hat_j'(q_g)). The G log-mass loads
-  // go out before the barrier that publishes lse_total, so both round trips overlap. Streaming loads
-  // (read once; the score pass left them in the L2 with evict_last): H200, 1M tokens, 4 KV heads,
-  // batch 8: select 42 -> 37 us.
-  float4 lm[GT];
-  const float* col = p.log_mass + bh * p.group * p.log_mass_stride + j;
-#pragma unroll
-  for (int g = 0; g < GT; ++g)
-    lm[g] = g < p.group && j < n ? __ldcs(reinterpret_cast<const float4*>(col + size_t(g) * p.log_mass_stride))
-                                 : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  for (int i = threadIdx.x; i < kHistBins; i += kShareThreads) hist[i] = 0;
-  if constexpr (MERGE) {
-    // The normaliser from the score pass's chunk statistics, merged by every CTA: warp w merges head
-    // rows w and w + 8, whose chunks lie contiguously ([row][chunk]), so the lanes' loads coalesce;
-    // the first 128 chunks of a row are loaded at once, in the round trip of the log-mass loads. CTA 0
-    // publishes the result as lse_total. (H200, 1M tokens, 4 KV heads, batch 1: staged through shared
-    // memory from the [chunk][row] layout, 8 bytes per copy, the statistics took ~7 us to arrive.)
-    constexpr int kWarps = kShareThreads / 32;
-    const int G = p.group;
-    merge_chunk_stats<GT / kWarps>(reinterpret_cast<const float2*>(p.chunk_stats) + bh * 16 * p.n_chunks, p.n_chunks,
-                                   p.n_chunks, G, int(threadIdx.x >> 5), kWarps, [&](int r, float v) {
-                                     lse2[r] = v;
-                                     if (blockIdx.x == 0) p.lse_total[bh * G + r] = v * kLn2;
-                                   });
-  } else if (threadIdx.x < p.group) {
-    lse2[threadIdx.x] = p.lse_total[bh * p.group + threadIdx.x] * kLog2e;
-  }
-  __syncthreads();
-  if (isnan(lse2[0])) return;  // bad input (score_pages): no histogram; select_kernel gives n_selected = -1
-  if (j < n) {
-    float acc[kSharePages] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int g = 0; g < GT; ++g) {
-      const float lt = g < p.group ? lse2[g] : -INFINITY;
-      if (lt != -INFINITY) {
-        acc[0] += exp2f(fmaf(lm[g].x, kLog2e, -lt));
-        acc[1] += exp2f(fmaf(lm[g].y, kLog2e, -lt));
-        acc[2] += exp2f(fmaf(lm[g].z, kLog2e, -lt));
-        acc[3] += exp2f(fmaf(lm[g].w, kLog2e, -lt));
-      }
-    }
-    const float inv_g = 1.0f / float(p.group);
-#pragma unroll
-    for (int e = 0; e < kSharePages; ++e) {
-      const int jj = j + e;
-      if (jj < n) {
-        float share = acc[e] * inv_g;
-        if (!(share >= 0.0f)) share = 0.0f;  // NaN guard: never selected ahead of a real page
-        if (p.shares) p.shares[bh * p.log_mass_stride + jj] = share;
-        if (topk && jj >= 1 && jj <= n - 2) {
-          const uint32_t key = __float_as_uint(share);
-          p.keys[bh * p.log_mass_stride + jj] = key;
-          atomicAdd(&hist[key >> 20], 1u);
-        }
-      }
-    }
-  }
-  if (!topk) return;
-  __syncthreads();
-  uint32_t* gh = p.hist + bh * kHistBins;
-  for (int i = threadIdx.x; i < kHistBins; i += kShareThreads)
-    if (hist[i]) atomicAdd(gh + i, hist[i]);
-}
+constexpr int kSharePagesPerCta = kShareThreads * kSharePages;
+// A share CTA with more local candidates than this (near-equal shares) writes none: select then scans
+// its keys, as it would without candidates.
+constexpr int kCandSpill = 512;
 
 // Within warp 0: given per-lane counts of 32 consecutive bin groups (lane L owns bins
 // [L * per, (L + 1) * per) of `bins`), find the highest bin b with count(bins >= b) >= need.
@@ -164,6 +86,118 @@ __device__ void block_find_threshold(const uint32_t* bins, int n_bins, uint32_t 
     }
   }
   __syncthreads();
+}
+
+// GT: the group size rounded up to 8 or 16, so that G <= 8 holds half the log-mass registers (48
+// instead of 80 registers: 5 instead of 3 CTAs per SM, more loads in flight). MERGE: lse_total from
+// the chunk statistics (p.chunk_stats), a separate instance because the merge costs registers (63
+// at G <= 8, 4 CTAs per SM: at batch 8, 1M tokens, 4 KV heads, select 34 -> 38 us).
+template <int GT, bool MERGE>
+__global__ void __launch_bounds__(kShareThreads) share_hist_kernel(SelectParams p) {
+  __shared__ uint32_t hist[kHistBins];
+  __shared__ float lse2[kMaxGroup];
+  __shared__ uint32_t loc_keys[kSharePagesPerCta];  // this CTA's keys, bit 31 set (0: no key)
+  __shared__ int loc_bin, loc_count;
+  __shared__ uint32_t loc_above;
+  __shared__ typename cub::BlockScan<uint32_t, kShareThreads>::TempStorage scan_tmp;
+  pdl_wait();
+  pdl_launch_dependents();
+  const int b = blockIdx.z, h = blockIdx.y;
+  const size_t bh = size_t(b) * p.n_head_kv + h;
+  const int n = p.indptr[b + 1] - p.indptr[b];
+  const int j0 = blockIdx.x * kSharePagesPerCta;
+  if (j0 >= n || n > p.log_mass_stride) return;  // (too many pages: bad input, see select_kernel)
+  const int k = max(p.budget_pages, 2);
+  const bool topk = n > k;
+  const int j = j0 + threadIdx.x * kSharePages;  // pages j .. j+3 (the stride is a multiple of 8)
+  // Eq. 5: m_bar_j = (1/G) sum_g exp(s_hat_j(q_g) - logsumexp_j' s_hat_j'(q_g)). The G log-mass loads
+  // go out before the barrier that publishes lse_total, so both round trips overlap. Streaming loads
+  // (read once; the score pass left them in the L2 with evict_last): H200, 1M tokens, 4 KV heads,
+  // batch 8: select 42 -> 37 us.
+  float4 lm[GT];
+  const float* col = p.log_mass + bh * p.group * p.log_mass_stride + j;
+#pragma unroll
+  for (int g = 0; g < GT; ++g)
+    lm[g] = g < p.group && j < n ? __ldcs(reinterpret_cast<const float4*>(col + size_t(g) * p.log_mass_stride))
+                                 : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int i = threadIdx.x; i < kHistBins; i += kShareThreads) hist[i] = 0;
+  if (threadIdx.x == 0) {
+    loc_bin = 0;  // fewer keys here than the budget takes: every one is a candidate
+    loc_count = 0;
+  }
+  if constexpr (MERGE) {
+    // The normaliser from the score pass's chunk statistics, merged by every CTA: warp w merges head
+    // rows w and w + 8, whose chunks lie contiguously ([row][chunk]), so the lanes' loads coalesce;
+    // the first 128 chunks of a row are loaded at once, in the round trip of the log-mass loads. CTA 0
+    // publishes the result as lse_total. (H200, 1M tokens, 4 KV heads, batch 1: staged through shared
+    // memory from the [chunk][row] layout, 8 bytes per copy, the statistics took ~7 us to arrive.)
+    constexpr int kWarps = kShareThreads / 32;
+    const int G = p.group;
+    merge_chunk_stats<GT / kWarps>(reinterpret_cast<const float2*>(p.chunk_stats) + bh * 16 * p.n_chunks, p.n_chunks,
+                                   p.n_chunks, G, int(threadIdx.x >> 5), kWarps, [&](int r, float v) {
+                                     lse2[r] = v;
+                                     if (blockIdx.x == 0) p.lse_total[bh * G + r] = v * kLn2;
+                                   });
+  } else if (threadIdx.x < p.group) {
+    lse2[threadIdx.x] = p.lse_total[bh * p.group + threadIdx.x] * kLog2e;
+  }
+  __syncthreads();
+  if (isnan(lse2[0])) return;  // bad input (score_pages): no histogram; select_kernel gives n_selected = -1
+#pragma unroll
+  for (int e = 0; e < kSharePages; ++e) loc_keys[threadIdx.x * kSharePages + e] = 0u;  // position 0, n - 1, >= n
+  if (j < n) {
+    float acc[kSharePages] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int g = 0; g < GT; ++g) {
+      const float lt = g < p.group ? lse2[g] : -INFINITY;
+      if (lt != -INFINITY) {
+        acc[0] += exp2f(fmaf(lm[g].x, kLog2e, -lt));
+        acc[1] += exp2f(fmaf(lm[g].y, kLog2e, -lt));
+        acc[2] += exp2f(fmaf(lm[g].z, kLog2e, -lt));
+        acc[3] += exp2f(fmaf(lm[g].w, kLog2e, -lt));
+      }
+    }
+    const float inv_g = 1.0f / float(p.group);
+#pragma unroll
+    for (int e = 0; e < kSharePages; ++e) {
+      const int jj = j + e;
+      if (jj < n) {
+        float share = acc[e] * inv_g;
+        if (!(share >= 0.0f)) share = 0.0f;  // NaN guard: never selected ahead of a real page
+        if (p.shares) p.shares[bh * p.log_mass_stride + jj] = share;
+        if (topk && jj >= 1 && jj <= n - 2) {
+          const uint32_t key = __float_as_uint(share);
+          p.keys[bh * p.log_mass_stride + jj] = key;
+          atomicAdd(&hist[key >> 20], 1u);
+          loc_keys[threadIdx.x * kSharePages + e] = key | 0x80000000u;  // shares are >= 0: bit 31 is free
+        }
+      }
+    }
+  }
+  if (!topk) return;
+  __syncthreads();
+  uint32_t* gh = p.hist + bh * kHistBins;
+  for (int i = threadIdx.x; i < kHistBins; i += kShareThreads)
+    if (hist[i]) atomicAdd(gh + i, hist[i]);
+  if (!p.candidates || k == 2) return;
+  // This CTA's candidates: its keys in bins >= its own threshold bin for the k - 2 largest. A page
+  // outside them has k - 2 larger keys in this CTA alone, so it is not among the k - 2 largest of the
+  // sequence, and every key in the global threshold bin or above is a candidate of its CTA. Above
+  // kCandSpill candidates (near-equal shares) the CTA writes none and select scans its keys instead.
+  block_find_threshold<kShareThreads>(hist, kHistBins, uint32_t(k - 2), &loc_bin, &loc_above, scan_tmp);
+  unsigned long long* out = p.candidates + bh * p.log_mass_stride + size_t(blockIdx.x) * kSharePagesPerCta;
+  const uint32_t tb = uint32_t(loc_bin);
+#pragma unroll
+  for (int e = 0; e < kSharePages; ++e) {
+    const uint32_t mk = loc_keys[threadIdx.x * kSharePages + e], key = mk & 0x7fffffffu;
+    if ((mk & 0x80000000u) && (key >> 20) >= tb) {
+      const int pos = atomicAdd(&loc_count, 1);
+      if (pos < kCandSpill) out[pos] = (static_cast<unsigned long long>(key) << 32) | (0xffffffffu - uint32_t(j + e));
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0)
+    p.n_candidates[bh * gridDim.x + blockIdx.x] = loc_count <= kCandSpill ? loc_count : -1;
 }
 
 // The need-th largest (1-based) of src(i), i < count, by 8-bit radix passes from the top.
@@ -247,17 +281,28 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectParams p) 
   for (int i = threadIdx.x; i < kSubBins; i += kSelectThreads) hist[i] = 0;
   __syncthreads();
 
-  // Pages above the threshold bin are in; the threshold bin's pages are candidates. Keys are read
-  // 4 at a time with 8 loads in flight per thread (positions 0, n-1 and >= n are skipped).
-  {
+  // Pages above the threshold bin are in; the threshold bin's pages are candidates.
+  auto take_key = [&](uint32_t key, int j) {
+    const uint32_t bin = key >> 20;
+    if (bin > tstar) {
+      atomicOr(&bitmap[j >> 5], 1u << (j & 31));
+    } else if (bin == tstar) {
+      atomicAdd(&hist[(key >> 8) & (kSubBins - 1)], 1u);
+      const int pos = atomicAdd(&sh_ncand, 1);
+      if (pos < kCandCap) cand[pos] = (static_cast<unsigned long long>(key) << 32) | (0xffffffffu - uint32_t(j));
+    }
+  };
+  // Keys [lo, hi) read 4 at a time by `threads` threads (t = this one's index among them), 8 loads in
+  // flight per thread (positions 0, n-1 and >= n are skipped).
+  auto scan_keys = [&](int lo, int hi, int t, int threads) {
     const uint4* k4 = reinterpret_cast<const uint4*>(keys);
-    const int n4 = (n + 3) / 4;
-    constexpr int U = 8;  // one round of loads covers 32K keys: the scan is load-latency bound
-    for (int base = threadIdx.x; base < n4; base += kSelectThreads * U) {
+    const int n4 = (hi + 3) / 4;
+    constexpr int U = 8;  // one round of loads covers 32K keys with 1024 threads: the scan is load-latency bound
+    for (int base = lo / 4 + t; base < n4; base += threads * U) {
       uint4 v[U];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        const int i4 = base + u * kSelectThreads;
+        const int i4 = base + u * threads;
         v[u] = i4 < n4 ? __ldcg(k4 + i4) : make_uint4(0u, 0u, 0u, 0u);
       }
 #pragma unroll
@@ -265,20 +310,49 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectParams p) 
         const uint32_t w[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int j = (base + u * kSelectThreads) * 4 + e;
-          if (j < 1 || j > n - 2) continue;
-          const uint32_t key = w[e];
-          const uint32_t bin = key >> 20;
-          if (bin > tstar) {
-            atomicOr(&bitmap[j >> 5], 1u << (j & 31));
-          } else if (bin == tstar) {
-            atomicAdd(&hist[(key >> 8) & (kSubBins - 1)], 1u);
-            const int pos = atomicAdd(&sh_ncand, 1);
-            if (pos < kCandCap) cand[pos] = (static_cast<unsigned long long>(key) << 32) | (0xffffffffu - uint32_t(j));
-          }
+          const int j = (base + u * threads) * 4 + e;
+          if (j < 1 || j > n - 2 || j >= hi) continue;
+          take_key(w[e], j);
         }
       }
     }
+  };
+  if (p.candidates) {
+    // The share kernel's per-CTA candidates (a superset of the pages in or above the threshold bin):
+    // warp w takes the lists of share CTAs w, w + 32, ...; their lengths come in one round trip, the
+    // entries 256 per list at a time. A list of -1 (too many near-equal shares) is that CTA's keys.
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n_lists = (n + kSharePagesPerCta - 1) / kSharePagesPerCta;
+    const int stride_lists = (p.log_mass_stride + kSharePagesPerCta - 1) / kSharePagesPerCta;
+    const int32_t* counts = p.n_candidates + bh * stride_lists;
+    const unsigned long long* lists = p.candidates + bh * p.log_mass_stride;
+    constexpr int kWarps = kSelectThreads / 32;
+    for (int c0 = warp; c0 < n_lists; c0 += kWarps * 32) {
+      const int my_list = c0 + kWarps * lane;
+      const int my_count = my_list < n_lists ? __ldcg(counts + my_list) : 0;
+      for (int r = 0; r < 32 && c0 + kWarps * r < n_lists; ++r) {
+        const int c = c0 + kWarps * r;
+        const int m = __shfl_sync(kFull, my_count, r);
+        if (m < 0) {
+          scan_keys(c * kSharePagesPerCta, min(n, (c + 1) * kSharePagesPerCta), lane, 32);
+          continue;
+        }
+        const unsigned long long* list = lists + size_t(c) * kSharePagesPerCta;
+        for (int b0 = 0; b0 < m; b0 += 256) {
+          unsigned long long v[8];
+#pragma unroll
+          for (int u = 0; u < 8; ++u) {
+            const int e = b0 + lane + 32 * u;
+            v[u] = e < m ? __ldcg(list + e) : 0ull;
+          }
+#pragma unroll
+          for (int u = 0; u < 8; ++u)
+            if (b0 + lane + 32 * u < m) take_key(uint32_t(v[u] >> 32), int(0xffffffffu - uint32_t(v[u])));
+        }
+      }
+    }
+  } else {
+    scan_keys(0, n, int(threadIdx.x), kSelectThreads);
   }
   __syncthreads();
   const int n_cand = sh_ncand;
@@ -392,16 +466,29 @@ size_t select_dynamic_smem(int log_mass_stride) {
 
 cudaError_t prepare_select(int log_mass_stride) { return set_select_smem(select_dynamic_smem(log_mass_stride)); }
 
+int share_ctas_per_sm(int group, bool merge) {
+  auto kernel = group <= 8 ? (merge ? share_hist_kernel<8, true> : share_hist_kernel<8, false>)
+                           : (merge ? share_hist_kernel<kMaxGroup, true> : share_hist_kernel<kMaxGroup, false>);
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kShareThreads, 0) != cudaSuccess) {
+    cudaGetLastError();
+    return 1;
+  }
+  return n > 0 ? n : 1;
+}
+
+int share_pages_per_cta() { return kSharePagesPerCta; }
+
 cudaError_t select_pages(const SelectParams& p, cudaStream_t stream) {
   if (p.batch <= 0 || p.n_head_kv <= 0) return cudaSuccess;
   if (p.group < 1 || p.group > kMaxGroup || p.budget_pages < 2 || p.log_mass_stride <= 0 || !p.indptr || !p.log_mass ||
-      !p.lse_total || !p.keys || !p.hist || !p.selected || !p.n_selected || (p.chunk_stats && p.n_chunks < 1))
+      !p.lse_total || !p.keys || !p.hist || !p.selected || !p.n_selected || (p.chunk_stats && p.n_chunks < 1) ||
+      (!p.candidates != !p.n_candidates))
     return cudaErrorInvalidValue;
   const size_t dyn = select_dynamic_smem(p.log_mass_stride);
   cudaError_t e = set_select_smem(dyn);
   if (e != cudaSuccess) return e;
-  const int per_cta = kShareThreads * kSharePages;
-  const dim3 g1(unsigned((p.log_mass_stride + per_cta - 1) / per_cta), unsigned(p.n_head_kv), unsigned(p.batch));
+  const dim3 g1(unsigned((p.log_mass_stride + kSharePagesPerCta - 1) / kSharePagesPerCta), unsigned(p.n_head_kv), unsigned(p.batch));
   const bool merge = p.chunk_stats != nullptr;
   auto share_hist = p.group <= 8 ? (merge ? share_hist_kernel<8, true> : share_hist_kernel<8, false>)
                                  : (merge ? share_hist_kernel<kMaxGroup, true> : share_hist_kernel<kMaxGroup, false>);

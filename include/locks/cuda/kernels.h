@@ -180,6 +180,14 @@ struct SelectParams {
   /// writes it to `lse_total` for sequences with pages, which is then an output.
   const float* chunk_stats = nullptr;
   int n_chunks = 0;
+  /// Nullable (both or neither): workspace candidates [batch][n_head_kv][log_mass_stride] and
+  /// n_candidates [batch][n_head_kv][ceil(log_mass_stride / 1024)]. With them, each CTA of the first
+  /// kernel (1024 pages) also lists its pages whose share is in or above its own threshold bin for the
+  /// k - 2 largest (a superset of the selection's share of them), and select scans those lists instead
+  /// of every key (about 1 / 8 of them with a 128-page budget). The decode plan uses them while the
+  /// first kernel fits in one wave (DecodePlan::select_candidates).
+  unsigned long long* candidates = nullptr;
+  int32_t* n_candidates = nullptr;
 };
 cudaError_t select_pages(const SelectParams& p, cudaStream_t stream);
 
@@ -249,10 +257,12 @@ struct DecodePlan {
   int dense_pages_per_split = 0, dense_splits = 0;
   bool sparse_group_halves = false;  // AttentionParams::group_halves of the sparse attention
   bool defer_lse_total = false;      // ScoreParams::defer_lse_total (select_pages merges lse_total)
+  bool select_candidates = false;    // SelectParams::candidates (the share kernel fits in one wave)
   bool pdl = true;
   size_t workspace_bytes = 0;
   // Byte offsets inside the workspace.
-  size_t off_log_mass = 0, off_lse_total = 0, off_chunk_stats = 0, off_keys = 0, off_hist = 0, off_selected = 0,
+  size_t off_log_mass = 0, off_lse_total = 0, off_chunk_stats = 0, off_keys = 0, off_candidates = 0,
+         off_n_candidates = 0, off_hist = 0, off_selected = 0,
          off_n_selected = 0, off_partial_o = 0, off_partial_lse = 0, off_counters = 0, off_counters_sparse = 0,
          off_counters_dense = 0, off_status = 0;
   int score_grid = 0;
