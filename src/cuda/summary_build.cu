@@ -204,53 +204,46 @@ __global__ void __launch_bounds__(kWarps * 32) summary_build_kernel(SummaryBuild
       // (k, q_m) of U for k = lane % 16, m = lane / 16 + 2 it. Every load of the round goes out before
       // the first store (they touch disjoint entries, which the compiler cannot know).
       {
+        struct Rot {
+          int p, q;
+          float c, sn;
+        };
+        auto rot = [&](int m) { return Rot{s.rp[m], s.rq[m], s.rc[m], s.rs[m]}; };
         const int bj = lane & 7, k = lane & 15;
-        const int pj = s.rp[bj], qj = s.rq[bj];
-        const float cj = s.rc[bj], sj = s.rs[bj];
-        int pi[2], qi[2], pm[4], qm[4];
-        float ci[2], si[2], cm[4], sm[4], x[2][4], y[4][2];
+        const Rot rj = rot(bj);
+        Rot ri[2], rm[4];
+        float x[2][4], y[4][2];
+#pragma unroll
+        for (int it = 0; it < 2; ++it) ri[it] = rot((lane >> 3) + 4 * it);
+#pragma unroll
+        for (int it = 0; it < 4; ++it) rm[it] = rot((lane >> 4) + 2 * it);
 #pragma unroll
         for (int it = 0; it < 2; ++it) {
-          const int bi = (lane >> 3) + 4 * it;
-          pi[it] = s.rp[bi];
-          qi[it] = s.rq[bi];
-          ci[it] = s.rc[bi];
-          si[it] = s.rs[bi];
+          x[it][0] = s.a[ri[it].p][rj.p];
+          x[it][1] = s.a[ri[it].p][rj.q];
+          x[it][2] = s.a[ri[it].q][rj.p];
+          x[it][3] = s.a[ri[it].q][rj.q];
         }
 #pragma unroll
         for (int it = 0; it < 4; ++it) {
-          const int m = (lane >> 4) + 2 * it;
-          pm[it] = s.rp[m];
-          qm[it] = s.rq[m];
-          cm[it] = s.rc[m];
-          sm[it] = s.rs[m];
+          y[it][0] = s.u[k][rm[it].p];
+          y[it][1] = s.u[k][rm[it].q];
         }
 #pragma unroll
         for (int it = 0; it < 2; ++it) {
-          x[it][0] = s.a[pi[it]][pj];
-          x[it][1] = s.a[pi[it]][qj];
-          x[it][2] = s.a[qi[it]][pj];
-          x[it][3] = s.a[qi[it]][qj];
-        }
-#pragma unroll
-        for (int it = 0; it < 4; ++it) {
-          y[it][0] = s.u[k][pm[it]];
-          y[it][1] = s.u[k][qm[it]];
-        }
-#pragma unroll
-        for (int it = 0; it < 2; ++it) {
+          const float cj = rj.c, sj = rj.sn, ci = ri[it].c, si = ri[it].sn;
           const float y_pp = cj * x[it][0] - sj * x[it][1], y_pq = sj * x[it][0] + cj * x[it][1];  // row p_i
           const float y_qp = cj * x[it][2] - sj * x[it][3], y_qq = sj * x[it][2] + cj * x[it][3];  // row q_i
           const bool diag = (lane >> 3) + 4 * it == bj;  // the pair's own block: its off-diagonal is annihilated
-          s.a[pi[it]][pj] = ci[it] * y_pp - si[it] * y_qp;
-          s.a[qi[it]][pj] = diag ? 0.0f : si[it] * y_pp + ci[it] * y_qp;
-          s.a[pi[it]][qj] = diag ? 0.0f : ci[it] * y_pq - si[it] * y_qq;
-          s.a[qi[it]][qj] = si[it] * y_pq + ci[it] * y_qq;
+          s.a[ri[it].p][rj.p] = ci * y_pp - si * y_qp;
+          s.a[ri[it].q][rj.p] = diag ? 0.0f : si * y_pp + ci * y_qp;
+          s.a[ri[it].p][rj.q] = diag ? 0.0f : ci * y_pq - si * y_qq;
+          s.a[ri[it].q][rj.q] = si * y_pq + ci * y_qq;
         }
 #pragma unroll
         for (int it = 0; it < 4; ++it) {
-          s.u[k][pm[it]] = cm[it] * y[it][0] - sm[it] * y[it][1];
-          s.u[k][qm[it]] = sm[it] * y[it][0] + cm[it] * y[it][1];
+          s.u[k][rm[it].p] = rm[it].c * y[it][0] - rm[it].sn * y[it][1];
+          s.u[k][rm[it].q] = rm[it].sn * y[it][0] + rm[it].c * y[it][1];
         }
       }
       __syncwarp();
