@@ -773,6 +773,60 @@ TEST(CudaSummary, BuildMatchesCpuOnRandomAndDegeneratePages) {
   }
 }
 
+// Keys that are not finite (an f16 overflow in the cache, a NaN) are bad input: the page's record
+// is NaN, the status word says so, and no other page's record changes (memcheck: no access out of
+// bounds, as an unsorted eigenvalue order once made possible). Pages: NaN key, Inf key, finite keys.
+TEST(CudaSummary, NonFiniteKeysGiveANaNRecordAndTheStatusBit) {
+  SKIP_WITHOUT_CUDA();
+  for (int d : {64, 128}) {
+    const int H = 1, pool = 3;
+    std::mt19937 rng(5 + d);
+    std::normal_distribution<float> N(0.0f, 1.0f);
+    std::vector<uint16_t> k(size_t(pool) * H * 16 * d);
+    for (auto& x : k) x = bf16_bits(round_bf16(N(rng)));
+    k[7 * d + 3] = 0x7fc0;                       // page 0: a NaN
+    k[size_t(16) * d + 11 * d + 5] = 0x7f80;     // page 1: +Inf
+    const size_t rb = lc::summary_record_bytes(d);
+    Dev<uint16_t> dk(k);
+    Dev<int32_t> dpages(std::vector<int32_t>{0, 1, 2}), dgood(std::vector<int32_t>{2});
+    Dev<uint8_t> drec(size_t(pool) * rb), dref(size_t(pool) * rb);
+    Dev<uint32_t> dstatus(1), dstatus_ref(1);
+    drec.fill_bytes(0);
+    dref.fill_bytes(0);
+    dstatus.fill_bytes(0);
+    dstatus_ref.fill_bytes(0);
+    lc::SummaryBuildParams p;
+    p.k = dk.p;
+    p.dtype = lc::KvType::kBF16;
+    p.n_head_kv = H;
+    p.head_dim = d;
+    p.n_pages_pool = pool;
+    p.pages = dpages.p;
+    p.n_pages = 3;
+    p.records = drec.p;
+    p.status = dstatus.p;
+    ck(lc::summary_build(p, nullptr), "summary_build");
+    p.pages = dgood.p;
+    p.n_pages = 1;
+    p.records = dref.p;
+    p.status = dstatus_ref.p;
+    ck(lc::summary_build(p, nullptr), "summary_build (finite page alone)");
+    dev_sync();
+    EXPECT_EQ(dstatus.down()[0], uint32_t(lc::kStatusBadKeys)) << lc::describe_decode_status(dstatus.down()[0]);
+    EXPECT_EQ(dstatus_ref.down()[0], 0u);
+    const auto rec = drec.down(), ref = dref.down();
+    for (int page : {0, 1}) {
+      std::vector<float> mu(d), V(size_t(8) * d), C(128);
+      lc::unpack_summary_record(&rec[page * rb], d, mu.data(), V.data(), C.data());
+      bool any_nan = false;
+      for (float x : mu) any_nan |= std::isnan(x);
+      EXPECT_TRUE(any_nan) << "d " << d << " page " << page << ": a NaN centroid";
+    }
+    EXPECT_TRUE(std::equal(rec.begin() + 2 * rb, rec.begin() + 3 * rb, ref.begin() + 2 * rb))
+        << "d " << d << ": the finite page's record does not depend on its neighbours";
+  }
+}
+
 TEST(CudaScore, MatchesCpuStoreAllGroupSizes) {
   SKIP_WITHOUT_CUDA();
   for (int d : {64, 128})

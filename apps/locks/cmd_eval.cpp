@@ -35,7 +35,8 @@ Runner add_eval(CLI::App& app) {
   app.add_option(
          "--selectors", c->selectors,
          "selectors, each NAME or NAME/key=value/... (keys: r, basis, coef, centroid, rule, rho), e.g. "
-         "locks/r=4, locks/basis=2, locks/rule=max, sequence-basis/rho=8; names: " +
+         "locks/r=4, locks/basis=2, locks/rule=max, sequence-basis/rho=8 (rho=0: the rank whose bytes match "
+         "LOCKS's); names: " +
              [] {
                std::string n;
                for (const auto& x : selector_names()) n += (n.empty() ? "" : ", ") + x;

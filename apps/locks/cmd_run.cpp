@@ -71,10 +71,10 @@ int run(const RunArgs& a) {
   const std::string model_path = a.model.empty() ? default_model_path() : a.model;
   const LlamaModel model = LlamaModel::load(model_path);
   // A prompt far beyond the context is refused before tokenizing it (tens of seconds for ~100 MB),
-  // by a lower bound on its token count.
+  // by a lower bound on its token count; one that may fit is tokenized and checked exactly later.
   const int64_t n_ctx = a.n_ctx > 0 ? a.n_ctx : model.hp.n_ctx_train;
   const int64_t min_tokens = int64_t(model.tokenizer.min_tokens(prompt));
-  if (min_tokens + std::max(a.max_tokens - 1, 0) > n_ctx)
+  if (min_tokens > 0 && min_tokens + std::max(a.max_tokens - 1, 0) > n_ctx)
     throw std::length_error(fmt::format("prompt of {} bytes is at least {} token{} + {} to generate, more than the "
                                         "context size of {} token{}",
                                         prompt.size(), min_tokens, min_tokens == 1 ? "" : "s", a.max_tokens, n_ctx,
@@ -164,6 +164,12 @@ Runner add_run(CLI::App& app) {
       ->check(non_empty_path());
   app.add_option("-s,--selector", a->selector,
                  "page selector (full = dense, oracle = exact page LSE, locks, baselines)")
+      ->check(CLI::Validator(
+          [](std::string& name) -> std::string {
+            return name == "global-basis" ? "global-basis needs an offline calibration pass: it runs in `locks eval` only"
+                                          : "";
+          },
+          "", "not global-basis"))
       ->check(CLI::IsMember([] {
         // global-basis needs an offline calibration pass: it is available in `locks eval`.
         auto n = selector_names();

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <exception>
+#include <iostream>
 #include <map>
 #include <new>
 #include <string>
@@ -12,7 +13,9 @@
 
 #include "commands.h"
 
-int main(int argc, char** argv) {
+namespace {
+
+int locks_main(int argc, char** argv) {
   CLI::App app{"locks: LOCKS sparse decode attention (page-local compact key summaries) on a CPU Llama engine",
                "locks"};
   app.require_subcommand(0, 1);
@@ -70,4 +73,17 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "locks: error: {}\n", e.what());
     return 1;
   }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int rc = locks_main(argc, argv);
+  // Output that could not be written (a full disk, a closed pipe) is a failure, not a success.
+  std::cout.flush();
+  if (!std::cout || std::fflush(stdout) != 0 || std::ferror(stdout)) {
+    fmt::print(stderr, "locks: error: could not write to standard output\n");
+    return rc != 0 ? rc : 1;
+  }
+  return rc;
 }

@@ -18,6 +18,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "locks/cuda/kernels.h"
@@ -215,6 +216,27 @@ __device__ __forceinline__ float quad_max(float x) {
 __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(kFull, x, 1);
   return x + __shfl_xor_sync(kFull, x, 2);
+}
+
+// Raise Kernel's dynamic shared-memory limit to `bytes` on the current device, once per (kernel,
+// device): the attribute belongs to a device, so a process that drives several GPUs raises it on each.
+// A host call, not a stream operation.
+template <auto Kernel>
+cudaError_t allow_dynamic_smem(size_t bytes) {
+  constexpr int kDevices = 64;
+  static std::atomic<size_t> granted[kDevices];  // static storage: zero
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  const bool tracked = dev >= 0 && dev < kDevices;
+  if (tracked && granted[dev].load() >= bytes) return cudaSuccess;
+  e = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+  if (e == cudaSuccess && tracked) {
+    size_t cur = granted[dev].load();
+    while (cur < bytes && !granted[dev].compare_exchange_weak(cur, bytes)) {
+    }
+  }
+  return e;
 }
 
 }  // namespace locks::cuda::detail

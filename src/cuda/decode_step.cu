@@ -211,7 +211,9 @@ std::string describe_decode_status(uint32_t status) {
   add(kStatusBadPageCount, "page count out of range (indptr descending, or more pages than the plan covers: max_pages)");
   add(kStatusBadLastPageLen, "last_page_len outside 1..16");
   add(kStatusBadPageId, "page id outside [0, n_pages_pool)");
-  const uint32_t unknown = status & ~uint32_t(kStatusBadPageCount | kStatusBadLastPageLen | kStatusBadPageId);
+  add(kStatusBadKeys, "a page's keys are not finite (summary build)");
+  const uint32_t unknown =
+      status & ~uint32_t(kStatusBadPageCount | kStatusBadLastPageLen | kStatusBadPageId | kStatusBadKeys);
   if (unknown) {
     char buf[48];
     std::snprintf(buf, sizeof buf, "unknown status bits 0x%x", unknown);

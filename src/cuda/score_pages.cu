@@ -668,8 +668,7 @@ int score_resident_ctas(int* per_sm_out = nullptr) {
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev);
     int n = 0;
-    if (cudaFuncSetAttribute(score_kernel<D, GT, MB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             score_smem_bytes<D, GT, MB>()) != cudaSuccess ||
+    if (allow_dynamic_smem<score_kernel<D, GT, MB>>(score_smem_bytes<D, GT, MB>()) != cudaSuccess ||
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, score_kernel<D, GT, MB>, kThreads,
                                                       score_smem_bytes<D, GT, MB>()) != cudaSuccess)
       cudaGetLastError();
@@ -682,6 +681,10 @@ int score_resident_ctas(int* per_sm_out = nullptr) {
 template <int D, int GT, int MB>
 cudaError_t launch_score(const ScoreParams& p, cudaStream_t stream) {
   const int resident = score_resident_ctas<D, GT, MB>();
+  // (The occupancy is counted once per process, on the first device; the limit is raised on each.)
+  if (const cudaError_t e = allow_dynamic_smem<score_kernel<D, GT, MB>>(score_smem_bytes<D, GT, MB>());
+      e != cudaSuccess)
+    return e;
   cudaLaunchConfig_t cfg = {};
   const long items = long(p.kv.batch) * p.kv.n_head_kv * p.n_chunks;
   const int grid = int(std::min<long>(items, p.grid > 0 ? p.grid : resident));

@@ -434,13 +434,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectParams p) 
   if (threadIdx.x == 0) p.n_selected[bh] = k;
 }
 
-cudaError_t set_select_smem(size_t dyn) {
-  static size_t max_set = 0;  // raised once as needed (a host call, not a stream operation)
-  if (dyn <= max_set) return cudaSuccess;
-  const cudaError_t e = cudaFuncSetAttribute(select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dyn));
-  if (e == cudaSuccess) max_set = dyn;
-  return e;
-}
+cudaError_t set_select_smem(size_t dyn) { return allow_dynamic_smem<select_kernel>(dyn); }
 
 template <class Kernel>
 cudaError_t launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, bool pdl, cudaStream_t stream,

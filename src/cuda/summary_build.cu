@@ -150,22 +150,26 @@ __global__ void __launch_bounds__(kWarps * 32) summary_build_kernel(SummaryBuild
   // Parallel cyclic Jacobi in float32 (round-robin ordering: 15 rounds of 8 disjoint rotations per
   // sweep). Rotations of one round touch disjoint row/column pairs, so applying them together equals
   // applying them one after the other; angles as the CPU (Golub & Van Loan 8.4.1). float32: the
-  // eigenvectors come out to ~1e-6, far finer than the int4 basis and int8 coefficients resolve,
-  // and the eigenvalues are refined in float64 below. Stops when the off-diagonal mass is below
-  // 1e-12 of the total (5 sweeps on the benchmark's keys; float32 rounding would let it go on to
-  // ~1e-19); NaN input stops at once.
-  float total = 0.0f;
-  for (int e = lane; e < 256; e += 32) total += s.a[e / 16][e % 16] * s.a[e / 16][e % 16];
+  // eigenvectors come out to float32 precision relative to the largest eigenvalue, finer than the
+  // int4 basis and int8 coefficients resolve, and the eigenvalues are refined in float64 below. Stops
+  // when the off-diagonal mass is below 1e-17 of the total, in float64 sums (5-6 sweeps on random
+  // pages in a host simulation of these rounds, float32 rounding letting it go on to ~1e-19; 1e-12
+  // stopped pages dominated by one or two directions after one sweep, their small directions
+  // unresolved). Non-finite keys (NaN total) stop at once: kStatusBadKeys, a NaN record.
+  double total = 0.0;
+  for (int e = lane; e < 256; e += 32) total += double(s.a[e / 16][e % 16]) * s.a[e / 16][e % 16];
   total = warp_sum(total);
+  const bool bad_keys = !isfinite(total);
+  if (bad_keys && lane == 0) raise_status(p.status, kStatusBadKeys);
   for (int sweep = 0; sweep < 20; ++sweep) {
-    float off = 0.0f;
+    double off = 0.0;
 #pragma unroll
     for (int it = 0; it < 8; ++it) {
       const int r = it * 2 + (lane >> 4), c = lane & 15;
-      if (r < c) off += s.a[r][c] * s.a[r][c];
+      if (r < c) off += double(s.a[r][c]) * s.a[r][c];
     }
     off = warp_sum(off);
-    if (!(off > 1e-12f * total)) break;
+    if (!(off > 1e-17 * total)) break;
     for (int round = 0; round < 15; ++round) {
       if (lane < 8) {
         // Round-robin pairs: lane 0 (round, 15), lane l (round + l, round - l) mod 15.
@@ -183,7 +187,8 @@ __global__ void __launch_bounds__(kWarps * 32) summary_build_kernel(SummaryBuild
           // theta = (a_qq - a_pp) / (2 a_pq), t = sign(theta) / (|theta| + sqrt(theta^2 + 1)) =
           // sign(theta) r / (|theta| r + 1) with r = 1 / sqrt(theta^2 + 1), c = 1 / sqrt(t^2 + 1), s = t c,
           // by the SFU's approximate reciprocal and reciprocal square root (~2 ulp: c^2 + s^2 = 1 to
-          // ~1e-7, a scaling that the Rayleigh quotients' normalisation below removes). |theta| is
+          // ~1e-7; U's columns stay orthogonal to ~3e-6 and their lengths drift, which the
+          // normalisation below removes). |theta| is
           // clamped at 1e18, where t ~ 5e-19 is no rotation, so that theta^2 stays finite.
           const float theta = fminf(fmaxf(__fdividef(s.a[qq][qq] - s.a[pp][pp], 2.0f * apq), -1e18f), 1e18f);
           const float r = rsqrtf(fmaf(theta, theta, 1.0f));
@@ -278,11 +283,13 @@ __global__ void __launch_bounds__(kWarps * 32) summary_build_kernel(SummaryBuild
   }
   __syncwarp();
 
-  // Eigenvalues descending (stable for ties, as std::stable_sort on the CPU).
+  // Eigenvalues descending (stable for ties, as std::stable_sort on the CPU). NaN (non-finite keys)
+  // ranks as -inf, so that the order stays a permutation.
   if (lane < 16) {
-    const double wi = s.w[lane];
+    auto val = [&](int j) { return isnan(s.w[j]) ? -INFINITY : s.w[j]; };
+    const double wi = val(lane);
     int rank = 0;
-    for (int j = 0; j < 16; ++j) rank += (s.w[j] > wi) || (s.w[j] == wi && j < lane);
+    for (int j = 0; j < 16; ++j) rank += (val(j) > wi) || (val(j) == wi && j < lane);
     s.order[rank] = lane;
   }
   __syncwarp();
@@ -296,7 +303,7 @@ __global__ void __launch_bounds__(kWarps * 32) summary_build_kernel(SummaryBuild
     const bool kept = lane < kSummaryRank && l > floor2;
     double tail = kept ? 0.0 : l;
 #pragma unroll
-    for (int o = 8; o > 0; o >>= 1) tail += __shfl_xor_sync(kFull, tail, o);  // lanes 0..15, in this order
+    for (int o = 8; o > 0; o >>= 1) tail += __shfl_xor_sync(kFull, tail, o);  // over lanes 0..15 (lane 0's sum)
     if (lane < kSummaryRank) {
       s.sigma[lane] = kept ? sqrt(l) : 0.0;
       s.sigma_inv[lane] = kept ? 1.0 / sqrt(l) : 0.0;
@@ -408,7 +415,7 @@ __global__ void __launch_bounds__(kWarps * 32) summary_build_kernel(SummaryBuild
       const int c = lane + 32 * m;
       rec[L::centroid_offset(D) + L::centroid_byte(c)] = uint8_t(int8_t(quant_code(mv[m], inv, 127)));
     }
-    if (lane == 0) s.centroid_scale = sbits;
+    if (lane == 0) s.centroid_scale = bad_keys ? uint16_t(0x7e00) : sbits;  // f16 NaN: every score NaN
   }
   __syncwarp();
 
@@ -436,13 +443,8 @@ __global__ void __launch_bounds__(kWarps * 32) summary_build_kernel(SummaryBuild
 template <int D>
 cudaError_t launch_build(const SummaryBuildParams& p, cudaStream_t stream) {
   const size_t smem = sizeof(BuildSmem<D>) * kWarps;
-  static bool attr_set = false;  // one-time, outside any capture (build is not part of a step)
-  if (!attr_set) {
-    const cudaError_t e =
-        cudaFuncSetAttribute(summary_build_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (e != cudaSuccess) return e;
-    attr_set = true;
-  }
+  const cudaError_t e = allow_dynamic_smem<summary_build_kernel<D>>(smem);
+  if (e != cudaSuccess) return e;
   const long items = long(p.n_pages) * p.n_head_kv;
   const unsigned grid = unsigned((items + kWarps - 1) / kWarps);
   summary_build_kernel<D><<<grid, kWarps * 32, smem, stream>>>(p);

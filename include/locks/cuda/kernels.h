@@ -53,6 +53,7 @@ enum DecodeStatus : uint32_t {
   kStatusBadPageCount = 1u,    // n_pages_b < 0 (indptr descending) or above the launch's page capacity
   kStatusBadLastPageLen = 2u,  // last_page_len[b] outside 1..16 for a sequence with pages
   kStatusBadPageId = 4u,       // a page id outside [0, n_pages_pool)
+  kStatusBadKeys = 8u,         // summary_build: a page's keys are not finite (its record is NaN)
 };
 /// "page count out of range (indptr descending, or more pages than the plan covers: max_pages); ..."
 /// (empty for 0; bits outside DecodeStatus are listed as "unknown status bits 0x..").
@@ -81,9 +82,12 @@ struct PagedKvView {
 /// (page, KV head): float64 centroid and Gram matrix, parallel cyclic Jacobi in float32, eigenvalues
 /// refined in float64 by Rayleigh quotients), rank-8 basis / coefficients / tail, quantized on the
 /// fly. Pages of identical keys or rank < 8 give zero basis columns (exact, no NaN). The records
-/// agree with the CPU's float64 build up to float32 eigenvectors (~1e-6), i.e. an int4/int8 code one
-/// step apart here and there (rank-8 reconstructions within ~1e-2, log-masses within ~2e-3 nats on
-/// random pages; the tail within 1e-4 relative).
+/// agree with the CPU's float64 build up to float32 eigenvectors: directions whose eigenvalue is
+/// below ~1e-7 of the page's largest are not resolved (their share of the page's keys is as small),
+/// and an int4/int8 code sits one step apart here and there (on random pages rank-8 reconstructions
+/// within ~1e-2, log-masses within ~2e-3 nats, the tail within 1e-4 relative; the tail is within
+/// ~1e-8 of the largest eigenvalue in general). A page with NaN or Inf keys gets a NaN record and
+/// kStatusBadKeys (the CPU build throws), never an out-of-bounds access.
 /// Launch contract: grid = ceil(n_pages * n_head_kv / 4) CTAs of 128 threads, ~15 KB (d 128) shared
 /// memory per warp; reads 16 * head_dim * 2 bytes of K per item, writes one record + one tail.
 struct SummaryBuildParams {
@@ -96,7 +100,7 @@ struct SummaryBuildParams {
   int n_pages_pool = 0;
   uint8_t* records = nullptr;  // [n_head_kv][n_pages_pool][record_bytes]
   float* tails = nullptr;      // [n_head_kv][n_pages_pool], nullable
-  uint32_t* status = nullptr;  // nullable: kStatusBadPageId for an id outside the pool (skipped)
+  uint32_t* status = nullptr;  // nullable: kStatusBadPageId (an id outside the pool: skipped), kStatusBadKeys
 };
 cudaError_t summary_build(const SummaryBuildParams& p, cudaStream_t stream);
 
