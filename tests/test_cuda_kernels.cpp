@@ -827,6 +827,62 @@ TEST(CudaSummary, NonFiniteKeysGiveANaNRecordAndTheStatusBit) {
   }
 }
 
+// Several layers in one launch (SummaryBuildParams::n_layers) write exactly what one launch per
+// layer writes, with K per layer and with one K pool read by every layer (k_layer_stride 0);
+// overlapping layer strides are refused.
+TEST(CudaSummary, LayersInOneLaunchEqualOneLaunchPerLayer) {
+  SKIP_WITHOUT_CUDA();
+  for (int d : {64, 128}) {
+    const int H = 2, pool = 5, L = 3;
+    const size_t layer_elems = size_t(pool) * H * 16 * d, rb = lc::summary_record_bytes(d);
+    const size_t rec_layer = size_t(H) * pool * rb, tail_layer = size_t(H) * pool;
+    std::mt19937 rng(77 + d);
+    std::normal_distribution<float> N(0.0f, 1.0f);
+    std::vector<uint16_t> k(layer_elems * L);
+    for (auto& x : k) x = bf16_bits(round_bf16(1.5f * N(rng)));
+    Dev<uint16_t> dk(k);
+    Dev<int32_t> dpages(std::vector<int32_t>{4, 1, 2});
+    for (bool shared_k : {false, true}) {
+      Dev<uint8_t> one(rec_layer * L), each(rec_layer * L);
+      Dev<float> tone(tail_layer * L), teach(tail_layer * L);
+      one.fill_bytes(0);
+      each.fill_bytes(0);
+      tone.fill_bytes(0);
+      teach.fill_bytes(0);
+      lc::SummaryBuildParams p;
+      p.k = dk.p;
+      p.dtype = lc::KvType::kBF16;
+      p.n_head_kv = H;
+      p.head_dim = d;
+      p.pages = dpages.p;
+      p.n_pages = 3;
+      p.n_pages_pool = pool;
+      for (int l = 0; l < L; ++l) {
+        lc::SummaryBuildParams q = p;
+        q.k = dk.p + (shared_k ? 0 : l * layer_elems);
+        q.records = each.p + l * rec_layer;
+        q.tails = teach.p + l * tail_layer;
+        ck(lc::summary_build(q, nullptr), "summary_build (one layer)");
+      }
+      p.records = one.p;
+      p.tails = tone.p;
+      p.n_layers = L;
+      p.k_layer_stride = shared_k ? 0 : layer_elems;
+      p.records_layer_stride = rec_layer;
+      p.tails_layer_stride = tail_layer;
+      ck(lc::summary_build(p, nullptr), "summary_build (layers)");
+      dev_sync();
+      EXPECT_EQ(one.down(), each.down()) << "d " << d << (shared_k ? " one K pool" : " K per layer");
+      EXPECT_EQ(tone.down(), teach.down()) << "d " << d;
+      p.records_layer_stride = rec_layer - 1;  // layers would overlap
+      EXPECT_EQ(lc::summary_build(p, nullptr), cudaErrorInvalidValue);
+      p.records_layer_stride = rec_layer;
+      p.k_layer_stride = layer_elems - 1;
+      EXPECT_EQ(lc::summary_build(p, nullptr), cudaErrorInvalidValue);
+    }
+  }
+}
+
 TEST(CudaScore, MatchesCpuStoreAllGroupSizes) {
   SKIP_WITHOUT_CUDA();
   for (int d : {64, 128})

@@ -207,11 +207,12 @@ int run_bench(const BenchOptions& o) {
     std::fprintf(csv,
                  "shape,n_head_kv,group,head_dim,context,batch,dense_us,dense_bytes,locks_us,locks_bytes,score_us,"
                  "score_bytes,select_us,attn_us,attn_bytes,l2_intermediate_bytes,build_pages_per_s,build_batch_us,"
-                 "read_gbs,copy_gbs\n");
+                 "read_gbs,copy_gbs,build_32_layers_us\n");
   std::printf(
       "\n| shape | context | batch | dense us | dense GB/s | LOCKS step us | score us | score GB/s (%% of read) "
-      "| select us | sparse attn us | speedup | dense MB | LOCKS MB | fewer bytes | build Mpage/s | build/step |\n"
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+      "| select us | sparse attn us | speedup | dense MB | LOCKS MB | fewer bytes | build Mpage/s | build/step "
+      "| build 32 layers us |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
 
   const auto shapes = o.shapes.empty() ? default_bench_shapes() : o.shapes;
   const int budget_pages = o.budget_tokens / 16;
@@ -288,6 +289,32 @@ int run_bench(const BenchOptions& o) {
         ck(cudaMemcpy(d_fresh.p, fresh.data(), B * 4, cudaMemcpyHostToDevice), "upload");
         bp1.pages = d_fresh.as<int32_t>();
         const double build_batch_us = time_us(fl, s, 2, 10, [&] { ck(summary_build(bp1, s), "build"); });
+        // The same new pages in each of 32 layers, one launch (SummaryBuildParams::n_layers): copies of
+        // the fresh pages' keys as a pool of B pages, read by every layer; 32 layers' records.
+        double build_layers_us = 0.0;
+        {
+          constexpr int kLayers = 32;
+          const size_t page_elems = size_t(H) * 16 * D;
+          DevMem k_small(size_t(B) * page_elems * 2), pages_small(size_t(B) * 4),
+              rec_small(size_t(kLayers) * H * B * rb);
+          std::vector<int32_t> ids(B);
+          for (int b = 0; b < B; ++b) {
+            ids[b] = b;
+            ck(cudaMemcpy(k_small.as<char>() + size_t(b) * page_elems * 2, k.as<char>() + size_t(fresh[b]) * page_elems * 2,
+                          page_elems * 2, cudaMemcpyDeviceToDevice),
+               "copy keys");
+          }
+          ck(cudaMemcpy(pages_small.p, ids.data(), size_t(B) * 4, cudaMemcpyHostToDevice), "upload");
+          SummaryBuildParams bl = bp1;
+          bl.k = k_small.p;
+          bl.pages = pages_small.as<int32_t>();
+          bl.n_pages_pool = B;
+          bl.records = rec_small.as<uint8_t>();
+          bl.n_layers = kLayers;
+          bl.k_layer_stride = 0;
+          bl.records_layer_stride = size_t(H) * B * rb;
+          build_layers_us = time_us(fl, s, 2, 10, [&] { ck(summary_build(bl, s), "build (32 layers)"); });
+        }
 
         DecodeShape ds;
         ds.batch = B;
@@ -369,15 +396,15 @@ int run_bench(const BenchOptions& o) {
                      ma = median(t_attn);
         std::printf(
             "| %s | %dK | %d | %.1f | %.0f | %.1f | %.1f | %.0f (%.0f%%) | %.1f | %.1f | %.2fx | %.1f | %.1f | "
-            "%.2fx | %.2f | %.3f |\n",
+            "%.2fx | %.2f | %.3f | %.1f |\n",
             sh.name.c_str(), ctx / 1024, B, md, dense_bytes / md * 1e-3, ml, msc, score_bytes / msc * 1e-3,
             100.0 * score_bytes / msc * 1e-3 / read_gbs, mss - msc, ma, md / ml, dense_bytes / 1e6, locks_bytes / 1e6,
-            dense_bytes / locks_bytes, build_pps * 1e-6, build_batch_us / 16.0 / ml);
+            dense_bytes / locks_bytes, build_pps * 1e-6, build_batch_us / 16.0 / ml, build_layers_us);
         std::fflush(stdout);
         if (csv) {
-          std::fprintf(csv, "%s,%d,%d,%d,%d,%d,%.3f,%.0f,%.3f,%.0f,%.3f,%.0f,%.3f,%.3f,%.0f,%.0f,%.0f,%.3f,%.1f,%.1f\n",
+          std::fprintf(csv, "%s,%d,%d,%d,%d,%d,%.3f,%.0f,%.3f,%.0f,%.3f,%.0f,%.3f,%.3f,%.0f,%.0f,%.0f,%.3f,%.1f,%.1f,%.3f\n",
                        sh.name.c_str(), H, G, D, ctx, B, md, dense_bytes, ml, locks_bytes, msc, score_bytes, mss - msc,
-                       ma, attn_bytes, l2_bytes, build_pps, build_batch_us, read_gbs, copy_gbs);
+                       ma, attn_bytes, l2_bytes, build_pps, build_batch_us, read_gbs, copy_gbs, build_layers_us);
           std::fflush(csv);
         }
       }
@@ -385,7 +412,8 @@ int run_bench(const BenchOptions& o) {
   std::printf(
       "\nbuild Mpage/s: (page, KV head) summaries per second, all full pages of the batch in one launch; "
       "build/step: building one new page per sequence (every 16 decode steps), amortised per step, over "
-      "the LOCKS step time\n");
+      "the LOCKS step time; build 32 layers: the same new pages in each of 32 layers, one launch "
+      "(SummaryBuildParams::n_layers)\n");
   cudaStreamDestroy(s);
   return 0;
 }

@@ -79,9 +79,11 @@ __global__ void __launch_bounds__(kWarps * 32) summary_build_kernel(SummaryBuild
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   BuildSmem<D>& s = reinterpret_cast<BuildSmem<D>*>(smem_raw)[warp];
-  const long item = long(blockIdx.x) * kWarps + warp;
-  if (item >= long(p.n_pages) * p.n_head_kv) return;  // warp-uniform
-  const int32_t page = p.pages[item / p.n_head_kv];
+  const long item = long(blockIdx.x) * kWarps + warp;  // (layer, page, KV head)
+  const long per_layer = long(p.n_pages) * p.n_head_kv;
+  if (item >= per_layer * p.n_layers) return;  // warp-uniform
+  const long layer = item / per_layer;
+  const int32_t page = p.pages[(item % per_layer) / p.n_head_kv];
   const int h = int(item % p.n_head_kv);
   if (!page_id_ok(page, p.n_pages_pool)) {  // bad input: nothing read or written
     if (lane == 0) raise_status(p.status, kStatusBadPageId);
@@ -91,7 +93,8 @@ __global__ void __launch_bounds__(kWarps * 32) summary_build_kernel(SummaryBuild
 
   // Keys of the page: [16][D] elements, 16-byte loads.
   {
-    const uint16_t* src = static_cast<const uint16_t*>(p.k) + (size_t(page) * p.n_head_kv + h) * size_t(kPageSize) * D;
+    const uint16_t* src = static_cast<const uint16_t*>(p.k) + layer * p.k_layer_stride +
+                          (size_t(page) * p.n_head_kv + h) * size_t(kPageSize) * D;
     constexpr int kChunks = 16 * D / 8;
 #pragma unroll
     for (int c = lane; c < kChunks; c += 32) {
@@ -308,7 +311,7 @@ __global__ void __launch_bounds__(kWarps * 32) summary_build_kernel(SummaryBuild
       s.sigma[lane] = kept ? sqrt(l) : 0.0;
       s.sigma_inv[lane] = kept ? 1.0 / sqrt(l) : 0.0;
     }
-    if (lane == 0 && p.tails) p.tails[size_t(h) * p.n_pages_pool + page] = float(tail);
+    if (lane == 0 && p.tails) p.tails[layer * p.tails_layer_stride + size_t(h) * p.n_pages_pool + page] = float(tail);
   }
   __syncwarp();
 
@@ -319,7 +322,7 @@ __global__ void __launch_bounds__(kWarps * 32) summary_build_kernel(SummaryBuild
   }
   __syncwarp();
 
-  uint8_t* rec = p.records + (size_t(h) * p.n_pages_pool + page) * L::record_bytes(D);
+  uint8_t* rec = p.records + layer * p.records_layer_stride + (size_t(h) * p.n_pages_pool + page) * L::record_bytes(D);
 
   // Basis V = D^T U_r Sigma_r^-1 in float64: lane's dims lane + 32 m, all 8 columns at once (32
   // independent sums), then int4 with one scale per column.
@@ -445,7 +448,7 @@ cudaError_t launch_build(const SummaryBuildParams& p, cudaStream_t stream) {
   const size_t smem = sizeof(BuildSmem<D>) * kWarps;
   const cudaError_t e = allow_dynamic_smem<summary_build_kernel<D>>(smem);
   if (e != cudaSuccess) return e;
-  const long items = long(p.n_pages) * p.n_head_kv;
+  const long items = long(p.n_pages) * p.n_head_kv * p.n_layers;
   const unsigned grid = unsigned((items + kWarps - 1) / kWarps);
   summary_build_kernel<D><<<grid, kWarps * 32, smem, stream>>>(p);
   return cudaGetLastError();
@@ -459,7 +462,14 @@ size_t summary_record_bytes(int head_dim) {
 
 cudaError_t summary_build(const SummaryBuildParams& p, cudaStream_t stream) {
   if (p.n_pages <= 0 || p.n_head_kv <= 0) return cudaSuccess;
-  if (!p.k || !p.pages || !p.records || p.n_pages_pool <= 0) return cudaErrorInvalidValue;
+  if (!p.k || !p.pages || !p.records || p.n_pages_pool <= 0 || p.n_layers < 1) return cudaErrorInvalidValue;
+  if (p.n_layers > 1) {  // the layers must not overlap (K may be one pool for all)
+    const size_t per_head = size_t(p.n_pages_pool) * p.n_head_kv;
+    if ((p.k_layer_stride != 0 && p.k_layer_stride < per_head * kPageSize * size_t(p.head_dim)) ||
+        p.records_layer_stride < per_head * summary_record_bytes(p.head_dim) ||
+        (p.tails && p.tails_layer_stride < per_head))
+      return cudaErrorInvalidValue;
+  }
   switch (p.head_dim) {
     case 64:
       return launch_build<64>(p, stream);

@@ -88,8 +88,8 @@ struct PagedKvView {
 /// within ~1e-2, log-masses within ~2e-3 nats, the tail within 1e-4 relative; the tail is within
 /// ~1e-8 of the largest eigenvalue in general). A page with NaN or Inf keys gets a NaN record and
 /// kStatusBadKeys (the CPU build throws), never an out-of-bounds access.
-/// Launch contract: grid = ceil(n_pages * n_head_kv / 4) CTAs of 128 threads, ~15 KB (d 128) shared
-/// memory per warp; reads 16 * head_dim * 2 bytes of K per item, writes one record + one tail.
+/// Launch contract: grid = ceil(n_layers * n_pages * n_head_kv / 4) CTAs of 128 threads, ~15 KB (d 128)
+/// shared memory per warp; reads 16 * head_dim * 2 bytes of K per item, writes one record + one tail.
 struct SummaryBuildParams {
   const void* k = nullptr;  // K pool of the layer (see PagedKvView)
   KvType dtype = KvType::kF16;
@@ -101,6 +101,17 @@ struct SummaryBuildParams {
   uint8_t* records = nullptr;  // [n_head_kv][n_pages_pool][record_bytes]
   float* tails = nullptr;      // [n_head_kv][n_pages_pool], nullable
   uint32_t* status = nullptr;  // nullable: kStatusBadPageId (an id outside the pool: skipped), kStatusBadKeys
+  /// Several layers in one launch: a decoded page fills in every layer at once, and the launch is
+  /// latency-bound, so L layers cost about what one does (H200: see docs/RESULTS_CUDA.md). Layer l
+  /// reads K at k + l * k_layer_stride elements and writes records + l * records_layer_stride bytes,
+  /// tails + l * tails_layer_stride floats; the same page ids in every layer. With n_layers > 1 the
+  /// strides must keep the layers apart (k_layer_stride >= n_pages_pool * n_head_kv * 16 * head_dim, or
+  /// 0 to read one pool for every layer; records_layer_stride >= n_head_kv * n_pages_pool *
+  /// record_bytes; tails_layer_stride >= n_head_kv * n_pages_pool), else cudaErrorInvalidValue.
+  int n_layers = 1;
+  size_t k_layer_stride = 0;
+  size_t records_layer_stride = 0;
+  size_t tails_layer_stride = 0;
 };
 cudaError_t summary_build(const SummaryBuildParams& p, cudaStream_t stream);
 
