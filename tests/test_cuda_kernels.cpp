@@ -467,6 +467,7 @@ SelectOut run_select_once(int B, int H, int G, const std::vector<int32_t>& indpt
   dhist.fill_bytes(0);
   dsel.fill_bytes(0xff);
   dcand.fill_bytes(0xff);  // stale entries must never be read
+  dncand.fill_bytes(0x7f);  // nor stale counts (a huge count would read far out of a list)
   lc::SelectParams p;
   p.batch = B;
   p.n_head_kv = H;
@@ -878,6 +879,11 @@ TEST(CudaSummary, LayersInOneLaunchEqualOneLaunchPerLayer) {
       EXPECT_EQ(lc::summary_build(p, nullptr), cudaErrorInvalidValue);
       p.records_layer_stride = rec_layer;
       p.k_layer_stride = layer_elems - 1;
+      EXPECT_EQ(lc::summary_build(p, nullptr), cudaErrorInvalidValue);
+      p.k_layer_stride = layer_elems + 1;  // apart, but K's 16-byte loads would be misaligned
+      EXPECT_EQ(lc::summary_build(p, nullptr), cudaErrorInvalidValue);
+      p.k_layer_stride = layer_elems;
+      p.records_layer_stride = rec_layer + 8;  // records' 16-byte stores misaligned
       EXPECT_EQ(lc::summary_build(p, nullptr), cudaErrorInvalidValue);
     }
   }

@@ -212,7 +212,7 @@ int run_bench(const BenchOptions& o) {
       "\n| shape | context | batch | dense us | dense GB/s | LOCKS step us | score us | score GB/s (%% of read) "
       "| select us | sparse attn us | speedup | dense MB | LOCKS MB | fewer bytes | build Mpage/s | build/step "
       "| build 32 layers us |\n"
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
 
   const auto shapes = o.shapes.empty() ? default_bench_shapes() : o.shapes;
   const int budget_pages = o.budget_tokens / 16;
@@ -290,20 +290,21 @@ int run_bench(const BenchOptions& o) {
         bp1.pages = d_fresh.as<int32_t>();
         const double build_batch_us = time_us(fl, s, 2, 10, [&] { ck(summary_build(bp1, s), "build"); });
         // The same new pages in each of 32 layers, one launch (SummaryBuildParams::n_layers): copies of
-        // the fresh pages' keys as a pool of B pages, read by every layer; 32 layers' records.
+        // the fresh pages' keys as 32 pools of B pages, one per layer (distinct memory, as a model's
+        // layers are); 32 layers' records.
         double build_layers_us = 0.0;
         {
           constexpr int kLayers = 32;
           const size_t page_elems = size_t(H) * 16 * D;
-          DevMem k_small(size_t(B) * page_elems * 2), pages_small(size_t(B) * 4),
+          DevMem k_small(size_t(kLayers) * B * page_elems * 2), pages_small(size_t(B) * 4),
               rec_small(size_t(kLayers) * H * B * rb);
           std::vector<int32_t> ids(B);
-          for (int b = 0; b < B; ++b) {
-            ids[b] = b;
-            ck(cudaMemcpy(k_small.as<char>() + size_t(b) * page_elems * 2, k.as<char>() + size_t(fresh[b]) * page_elems * 2,
-                          page_elems * 2, cudaMemcpyDeviceToDevice),
-               "copy keys");
-          }
+          for (int b = 0; b < B; ++b) ids[b] = b;
+          for (int l = 0; l < kLayers; ++l)
+            for (int b = 0; b < B; ++b)
+              ck(cudaMemcpy(k_small.as<char>() + (size_t(l) * B + b) * page_elems * 2,
+                            k.as<char>() + size_t(fresh[b]) * page_elems * 2, page_elems * 2, cudaMemcpyDeviceToDevice),
+                 "copy keys");
           ck(cudaMemcpy(pages_small.p, ids.data(), size_t(B) * 4, cudaMemcpyHostToDevice), "upload");
           SummaryBuildParams bl = bp1;
           bl.k = k_small.p;
@@ -311,7 +312,7 @@ int run_bench(const BenchOptions& o) {
           bl.n_pages_pool = B;
           bl.records = rec_small.as<uint8_t>();
           bl.n_layers = kLayers;
-          bl.k_layer_stride = 0;
+          bl.k_layer_stride = size_t(B) * page_elems;
           bl.records_layer_stride = size_t(H) * B * rb;
           build_layers_us = time_us(fl, s, 2, 10, [&] { ck(summary_build(bl, s), "build (32 layers)"); });
         }

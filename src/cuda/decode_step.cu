@@ -262,7 +262,7 @@ SelectParams step_select_params(const DecodePlan& plan, const DecodeStepParams& 
   se.lse_total = at<float>(p.workspace, plan.off_lse_total);
   se.budget_pages = sh.budget_pages;
   se.keys = at<uint32_t>(p.workspace, plan.off_keys);
-  if (plan.select_candidates) {
+  if (plan.select_candidates && plan.off_n_candidates > plan.off_candidates) {  // (its workspace exists)
     se.candidates = at<unsigned long long>(p.workspace, plan.off_candidates);
     se.n_candidates = at<int32_t>(p.workspace, plan.off_n_candidates);
   }

@@ -158,7 +158,8 @@ __global__ void __launch_bounds__(kWarps * 32) summary_build_kernel(SummaryBuild
   // when the off-diagonal mass is below 1e-17 of the total, in float64 sums (5-6 sweeps on random
   // pages in a host simulation of these rounds, float32 rounding letting it go on to ~1e-19; 1e-12
   // stopped pages dominated by one or two directions after one sweep, their small directions
-  // unresolved). Non-finite keys (NaN total) stop at once: kStatusBadKeys, a NaN record.
+  // unresolved). Non-finite keys (NaN total; also a Gram matrix beyond float32, keys of |k| ~ 1e18)
+  // stop at once: kStatusBadKeys, a NaN centroid scale and tail.
   double total = 0.0;
   for (int e = lane; e < 256; e += 32) total += double(s.a[e / 16][e % 16]) * s.a[e / 16][e % 16];
   total = warp_sum(total);
@@ -311,7 +312,8 @@ __global__ void __launch_bounds__(kWarps * 32) summary_build_kernel(SummaryBuild
       s.sigma[lane] = kept ? sqrt(l) : 0.0;
       s.sigma_inv[lane] = kept ? 1.0 / sqrt(l) : 0.0;
     }
-    if (lane == 0 && p.tails) p.tails[layer * p.tails_layer_stride + size_t(h) * p.n_pages_pool + page] = float(tail);
+    if (lane == 0 && p.tails)
+      p.tails[layer * p.tails_layer_stride + size_t(h) * p.n_pages_pool + page] = bad_keys ? NAN : float(tail);
   }
   __syncwarp();
 
@@ -468,6 +470,8 @@ cudaError_t summary_build(const SummaryBuildParams& p, cudaStream_t stream) {
     if ((p.k_layer_stride != 0 && p.k_layer_stride < per_head * kPageSize * size_t(p.head_dim)) ||
         p.records_layer_stride < per_head * summary_record_bytes(p.head_dim) ||
         (p.tails && p.tails_layer_stride < per_head))
+      return cudaErrorInvalidValue;
+    if (p.k_layer_stride % 8 != 0 || p.records_layer_stride % 16 != 0)  // 16-byte loads and stores
       return cudaErrorInvalidValue;
   }
   switch (p.head_dim) {

@@ -86,7 +86,8 @@ struct PagedKvView {
 /// below ~1e-7 of the page's largest are not resolved (their share of the page's keys is as small),
 /// and an int4/int8 code sits one step apart here and there (on random pages rank-8 reconstructions
 /// within ~1e-2, log-masses within ~2e-3 nats, the tail within 1e-4 relative; the tail is within
-/// ~1e-8 of the largest eigenvalue in general). A page with NaN or Inf keys gets a NaN record and
+/// ~1e-8 of the largest eigenvalue in general). A page with NaN or Inf keys (or keys beyond ~1e18,
+/// whose Gram matrix float32 cannot hold) gets a NaN centroid scale (every score NaN), a NaN tail and
 /// kStatusBadKeys (the CPU build throws), never an out-of-bounds access.
 /// Launch contract: grid = ceil(n_layers * n_pages * n_head_kv / 4) CTAs of 128 threads, ~15 KB (d 128)
 /// shared memory per warp; reads 16 * head_dim * 2 bytes of K per item, writes one record + one tail.
@@ -107,7 +108,8 @@ struct SummaryBuildParams {
   /// tails + l * tails_layer_stride floats; the same page ids in every layer. With n_layers > 1 the
   /// strides must keep the layers apart (k_layer_stride >= n_pages_pool * n_head_kv * 16 * head_dim, or
   /// 0 to read one pool for every layer; records_layer_stride >= n_head_kv * n_pages_pool *
-  /// record_bytes; tails_layer_stride >= n_head_kv * n_pages_pool), else cudaErrorInvalidValue.
+  /// record_bytes; tails_layer_stride >= n_head_kv * n_pages_pool) and keep 16-byte alignment
+  /// (k_layer_stride a multiple of 8, records_layer_stride of 16), else cudaErrorInvalidValue.
   int n_layers = 1;
   size_t k_layer_stride = 0;
   size_t records_layer_stride = 0;
@@ -272,7 +274,7 @@ struct DecodePlan {
   int dense_pages_per_split = 0, dense_splits = 0;
   bool sparse_group_halves = false;  // AttentionParams::group_halves of the sparse attention
   bool defer_lse_total = false;      // ScoreParams::defer_lse_total (select_pages merges lse_total)
-  bool select_candidates = false;    // SelectParams::candidates (the share kernel fits in one wave)
+  bool select_candidates = false;    // SelectParams::candidates (the share kernel fits in one wave); read-only
   bool pdl = true;
   size_t workspace_bytes = 0;
   // Byte offsets inside the workspace.
