@@ -774,6 +774,19 @@ TEST(CudaSummary, BuildMatchesCpuOnRandomAndDegeneratePages) {
   }
 }
 
+// summary_build's parameters for a bf16 K pool (one layer).
+lc::SummaryBuildParams bf16_build_params(const uint16_t* k, int H, int d, int pool, const int32_t* pages, int n_pages) {
+  lc::SummaryBuildParams p;
+  p.k = k;
+  p.dtype = lc::KvType::kBF16;
+  p.n_head_kv = H;
+  p.head_dim = d;
+  p.n_pages_pool = pool;
+  p.pages = pages;
+  p.n_pages = n_pages;
+  return p;
+}
+
 // Keys that are not finite (an f16 overflow in the cache, a NaN) are bad input: the page's record
 // is NaN, the status word says so, and no other page's record changes (memcheck: no access out of
 // bounds, as an unsorted eigenvalue order once made possible). Pages: NaN key, Inf key, finite keys.
@@ -796,14 +809,7 @@ TEST(CudaSummary, NonFiniteKeysGiveANaNRecordAndTheStatusBit) {
     dref.fill_bytes(0);
     dstatus.fill_bytes(0);
     dstatus_ref.fill_bytes(0);
-    lc::SummaryBuildParams p;
-    p.k = dk.p;
-    p.dtype = lc::KvType::kBF16;
-    p.n_head_kv = H;
-    p.head_dim = d;
-    p.n_pages_pool = pool;
-    p.pages = dpages.p;
-    p.n_pages = 3;
+    lc::SummaryBuildParams p = bf16_build_params(dk.p, H, d, pool, dpages.p, 3);
     p.records = drec.p;
     p.status = dstatus.p;
     ck(lc::summary_build(p, nullptr), "summary_build");
@@ -850,14 +856,7 @@ TEST(CudaSummary, LayersInOneLaunchEqualOneLaunchPerLayer) {
       each.fill_bytes(0);
       tone.fill_bytes(0);
       teach.fill_bytes(0);
-      lc::SummaryBuildParams p;
-      p.k = dk.p;
-      p.dtype = lc::KvType::kBF16;
-      p.n_head_kv = H;
-      p.head_dim = d;
-      p.pages = dpages.p;
-      p.n_pages = 3;
-      p.n_pages_pool = pool;
+      lc::SummaryBuildParams p = bf16_build_params(dk.p, H, d, pool, dpages.p, 3);
       for (int l = 0; l < L; ++l) {
         lc::SummaryBuildParams q = p;
         q.k = dk.p + (shared_k ? 0 : l * layer_elems);
