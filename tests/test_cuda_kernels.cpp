@@ -834,6 +834,67 @@ TEST(CudaSummary, NonFiniteKeysGiveANaNRecordAndTheStatusBit) {
   }
 }
 
+// Pages the float32 Jacobi finds hardest: one direction dominating the keys (the rest at 1e-3 of
+// it), and one token 300x the others. The GPU record's rank-8 reconstruction of the centred keys must
+// be as close to them as the CPU's float64 build is (int4/int8 quantization dominates both).
+TEST(CudaSummary, DominatedPagesReconstructAsWellAsTheCpuBuild) {
+  SKIP_WITHOUT_CUDA();
+  for (int d : {64, 128})
+    for (int kind = 0; kind < 3; ++kind) {
+      std::mt19937 rng(900 + 10 * d + kind);
+      std::normal_distribution<float> N(0.0f, 1.0f);
+      std::vector<float> u(d), mean(d), keys(size_t(16) * d);
+      for (int c = 0; c < d; ++c) {
+        u[c] = N(rng);
+        mean[c] = 2.0f * N(rng);
+      }
+      for (int i = 0; i < 16; ++i) {
+        const float a = 4.0f * N(rng);
+        for (int c = 0; c < d; ++c) {
+          float x = kind == 0   ? mean[c] + a * u[c] + 1e-3f * N(rng)                    // one direction
+                    : kind == 1 ? mean[c] + a * u[c] + 0.2f * a * N(rng) * (c % 3 == 0)  // two, skewed
+                                : N(rng) * (i == 5 ? 300.0f : 1.0f);                      // an outlier token
+          keys[size_t(i) * d + c] = round_bf16(x);
+        }
+      }
+      std::vector<uint16_t> kb(keys.size());
+      for (size_t e = 0; e < keys.size(); ++e) kb[e] = bf16_bits(keys[e]);
+      const size_t rb = lc::summary_record_bytes(d);
+      std::vector<uint8_t> cpu_rec(rb);
+      const PageSummaryF32 f = build_page_summary(keys.data(), 16, d, 8);
+      lc::pack_summary_record(f.centroid.data(), f.basis.data(), f.coef.data(), d, cpu_rec.data());
+      Dev<uint16_t> dk(kb);
+      Dev<int32_t> dpage(std::vector<int32_t>{0});
+      Dev<uint8_t> drec(rb);
+      lc::SummaryBuildParams p = bf16_build_params(dk.p, 1, d, 1, dpage.p, 1);
+      p.records = drec.p;
+      ck(lc::summary_build(p, nullptr), "summary_build");
+      dev_sync();
+      const auto gpu_rec = drec.down();
+      // || centroid + C V - keys ||_F / || keys - mean ||_F for a record.
+      auto rel_err = [&](const uint8_t* rec) {
+        std::vector<float> mu(d), V(size_t(8) * d), C(128);
+        lc::unpack_summary_record(rec, d, mu.data(), V.data(), C.data());
+        std::vector<double> m(d, 0.0);
+        for (int i = 0; i < 16; ++i)
+          for (int c = 0; c < d; ++c) m[c] += keys[size_t(i) * d + c] / 16.0;
+        double num = 0.0, den = 0.0;
+        for (int i = 0; i < 16; ++i)
+          for (int c = 0; c < d; ++c) {
+            double r = mu[c];
+            for (int k = 0; k < 8; ++k) r += double(C[i * 8 + k]) * V[size_t(k) * d + c];
+            const double x = keys[size_t(i) * d + c];
+            num += (r - x) * (r - x);
+            den += (x - m[c]) * (x - m[c]);
+          }
+        return std::sqrt(num / den);
+      };
+      const double eg = rel_err(gpu_rec.data()), ec = rel_err(cpu_rec.data());
+      std::printf("[ summary dominated d=%d kind=%d ] reconstruction error GPU %.3e, CPU %.3e\n", d, kind, eg, ec);
+      EXPECT_LE(eg, 1.02 * ec + 1e-4) << "d " << d << " kind " << kind;  // H200: equal to 4 digits
+    }
+}
+
 // Several layers in one launch (SummaryBuildParams::n_layers) write exactly what one launch per
 // layer writes, with K per layer and with one K pool read by every layer (k_layer_stride 0);
 // overlapping layer strides are refused.
