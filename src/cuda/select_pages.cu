@@ -30,6 +30,13 @@ constexpr int kSharePagesPerCta = kShareThreads * kSharePages;
 // its keys, as it would without candidates.
 constexpr int kCandSpill = 512;
 
+// A page's 64-bit rank key: share bits above, ~index below, so that keys are distinct and equal
+// shares order the lower index first. page_of inverts it.
+__device__ __forceinline__ unsigned long long ranked(uint32_t key, int j) {
+  return (static_cast<unsigned long long>(key) << 32) | (0xffffffffu - uint32_t(j));
+}
+__device__ __forceinline__ int page_of(unsigned long long v) { return int(0xffffffffu - uint32_t(v & 0xffffffffu)); }
+
 // Within warp 0: given per-lane counts of 32 consecutive bin groups (lane L owns bins
 // [L * per, (L + 1) * per) of `bins`), find the highest bin b with count(bins >= b) >= need.
 // Returns (bin, count strictly above bin) on lane 0 via the out pointers.
@@ -192,7 +199,7 @@ __global__ void __launch_bounds__(kShareThreads) share_hist_kernel(SelectParams 
     const uint32_t mk = loc_keys[threadIdx.x * kSharePages + e], key = mk & 0x7fffffffu;
     if ((mk & 0x80000000u) && (key >> 20) >= tb) {
       const int pos = atomicAdd(&loc_count, 1);
-      if (pos < kCandSpill) out[pos] = (static_cast<unsigned long long>(key) << 32) | (0xffffffffu - uint32_t(j + e));
+      if (pos < kCandSpill) out[pos] = ranked(key, j + e);
     }
   }
   __syncthreads();
@@ -289,7 +296,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectParams p) 
     } else if (bin == tstar) {
       atomicAdd(&hist[(key >> 8) & (kSubBins - 1)], 1u);
       const int pos = atomicAdd(&sh_ncand, 1);
-      if (pos < kCandCap) cand[pos] = (static_cast<unsigned long long>(key) << 32) | (0xffffffffu - uint32_t(j));
+      if (pos < kCandCap) cand[pos] = ranked(key, j);
     }
   };
   // Keys [lo, hi) read 4 at a time by `threads` threads (t = this one's index among them), 8 loads in
@@ -347,7 +354,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectParams p) 
           }
 #pragma unroll
           for (int u = 0; u < 8; ++u)
-            if (b0 + lane + 32 * u < m) take_key(uint32_t(v[u] >> 32), int(0xffffffffu - uint32_t(v[u])));
+            if (b0 + lane + 32 * u < m) take_key(uint32_t(v[u] >> 32), page_of(v[u]));
         }
       }
     }
@@ -376,7 +383,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectParams p) 
         take = rank < need3;
       }
       if (take) {
-        const uint32_t j = 0xffffffffu - uint32_t(v & 0xffffffffu);
+        const int j = page_of(v);
         atomicOr(&bitmap[j >> 5], 1u << (j & 31));
       }
     }
@@ -388,7 +395,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectParams p) 
       for (int i = threadIdx.x; i < n_cand; i += kSelectThreads) {
         const unsigned long long v = cand[i];
         if (v >= thr) {
-          const uint32_t j = 0xffffffffu - uint32_t(v & 0xffffffffu);
+          const int j = page_of(v);
           atomicOr(&bitmap[j >> 5], 1u << (j & 31));
         }
       }
@@ -396,9 +403,8 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectParams p) 
   } else {
     // Very many equal-looking shares (e.g. identical pages): the same select over global memory.
     auto src = [&](int i) -> unsigned long long {
-      const uint32_t j = uint32_t(i + 1);
-      const uint32_t key = keys[j];
-      return (key >> 20) == tstar ? (static_cast<unsigned long long>(key) << 32) | (0xffffffffu - j) : 0ull;
+      const uint32_t key = keys[i + 1];
+      return (key >> 20) == tstar ? ranked(key, i + 1) : 0ull;
     };
     const unsigned long long thr = radix_select_desc(src, n - 2, need2, rhist, &sh_bin, &sh_above);
     for (int i = threadIdx.x; i < n - 2; i += kSelectThreads) {
@@ -434,7 +440,11 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectParams p) 
   if (threadIdx.x == 0) p.n_selected[bh] = k;
 }
 
-cudaError_t set_select_smem(size_t dyn) { return allow_dynamic_smem<select_kernel>(dyn); }
+// The share kernel's instance for a group size, with or without the lse_total merge.
+auto share_kernel_for(int group, bool merge) {
+  return group <= 8 ? (merge ? share_hist_kernel<8, true> : share_hist_kernel<8, false>)
+                    : (merge ? share_hist_kernel<kMaxGroup, true> : share_hist_kernel<kMaxGroup, false>);
+}
 
 template <class Kernel>
 cudaError_t launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, bool pdl, cudaStream_t stream,
@@ -458,13 +468,14 @@ size_t select_dynamic_smem(int log_mass_stride) {
   return sizeof(uint32_t) * (kSubBins + 2 * size_t(kCandCap) + size_t((log_mass_stride + 31) / 32));
 }
 
-cudaError_t prepare_select(int log_mass_stride) { return set_select_smem(select_dynamic_smem(log_mass_stride)); }
+cudaError_t prepare_select(int log_mass_stride) {
+  return allow_dynamic_smem<select_kernel>(select_dynamic_smem(log_mass_stride));
+}
 
 int share_ctas_per_sm(int group, bool merge) {
-  auto kernel = group <= 8 ? (merge ? share_hist_kernel<8, true> : share_hist_kernel<8, false>)
-                           : (merge ? share_hist_kernel<kMaxGroup, true> : share_hist_kernel<kMaxGroup, false>);
   int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kShareThreads, 0) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, share_kernel_for(group, merge), kShareThreads, 0) !=
+      cudaSuccess) {
     cudaGetLastError();
     return 1;
   }
@@ -480,13 +491,11 @@ cudaError_t select_pages(const SelectParams& p, cudaStream_t stream) {
       (!p.candidates != !p.n_candidates))
     return cudaErrorInvalidValue;
   const size_t dyn = select_dynamic_smem(p.log_mass_stride);
-  cudaError_t e = set_select_smem(dyn);
+  cudaError_t e = allow_dynamic_smem<select_kernel>(dyn);
   if (e != cudaSuccess) return e;
-  const dim3 g1(unsigned((p.log_mass_stride + kSharePagesPerCta - 1) / kSharePagesPerCta), unsigned(p.n_head_kv), unsigned(p.batch));
-  const bool merge = p.chunk_stats != nullptr;
-  auto share_hist = p.group <= 8 ? (merge ? share_hist_kernel<8, true> : share_hist_kernel<8, false>)
-                                 : (merge ? share_hist_kernel<kMaxGroup, true> : share_hist_kernel<kMaxGroup, false>);
-  e = launch(share_hist, g1, dim3(kShareThreads), 0, p.pdl, stream, p);
+  const dim3 g1(unsigned((p.log_mass_stride + kSharePagesPerCta - 1) / kSharePagesPerCta), unsigned(p.n_head_kv),
+                unsigned(p.batch));
+  e = launch(share_kernel_for(p.group, p.chunk_stats != nullptr), g1, dim3(kShareThreads), 0, p.pdl, stream, p);
   if (e != cudaSuccess) return e;
   return launch(select_kernel, dim3(unsigned(p.n_head_kv), unsigned(p.batch)), dim3(kSelectThreads), dyn, p.pdl, stream,
                 p);
