@@ -10,9 +10,11 @@
 #include <string>
 #include <vector>
 
+#include "eval/eval_report.h"
 #include "locks/eval_runner.h"
 #include "locks/model.h"
 #include "locks/needle_task.h"
+#include "locks/svg_plot.h"
 #include "locks/session.h"
 #include "locks/text_corpus.h"
 #include "test_paths.h"
@@ -113,3 +115,38 @@ TEST(EvalRunner, MultikeyRowsEqualARunOfTheFirstQuestionAlone) {
 }
 
 }  // namespace
+
+namespace {
+
+int count_svgs(const std::filesystem::path& dir) {
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) n += e.path().extension() == ".svg" ? 1 : 0;
+  return n;
+}
+
+}  // namespace
+
+// A reused --out directory: the report's own plots (of any length) go, other files stay.
+TEST(EvalReport, RemoveEvalPlotsTakesExactlyWhatWriteEvalPlotsWrites) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / "locks_eval_report_remove";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  locks::EvalConfig cfg;
+  cfg.out_dir = dir.string();
+  cfg.families = {"multikey", "continuation"};
+  cfg.lengths = {512, 1024};
+  cfg.budgets = {32, 64};
+  cfg.selectors = {"locks"};
+  locks::write_eval_plots(cfg, {}, {}, {});
+  const int written = count_svgs(dir);
+  ASSERT_GE(written, 6);  // accuracy per (family, length) + carrier retention per length
+  for (const char* other : {"notes.svg", "locality.csv", "results.csv", "locality.svg"})
+    locks::write_text_file((dir / other).string(), "x");
+  EXPECT_EQ(locks::remove_eval_plots(dir.string()), written);
+  EXPECT_EQ(count_svgs(dir), 2);  // notes.svg, locality.svg
+  for (const char* other : {"notes.svg", "locality.csv", "results.csv", "locality.svg"})
+    EXPECT_TRUE(fs::exists(dir / other)) << other;
+  EXPECT_EQ(locks::remove_eval_plots((dir / "missing").string()), 0);
+  fs::remove_all(dir);
+}

@@ -28,6 +28,25 @@ T* at(void* ws, size_t off) {
   return reinterpret_cast<T*>(static_cast<char*>(ws) + off);
 }
 
+// Makes `device` current for a scope (the occupancy queries and prepare_select act on the current
+// device, and a plan is for the device it names), then restores the caller's.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    if (cudaGetDevice(&prev_) != cudaSuccess) prev_ = -1;
+    if (device != prev_ && cudaSetDevice(device) != cudaSuccess)
+      throw std::runtime_error("CUDA decode: cannot use device " + std::to_string(device));
+  }
+  ~DeviceScope() {
+    if (prev_ >= 0) cudaSetDevice(prev_);
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int prev_ = -1;
+};
+
 __global__ void probe_kernel(int* out) {
   if (threadIdx.x == 0) *out = 42;
 }
@@ -86,7 +105,9 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device) {
   if (sh.budget_pages < 2) throw std::invalid_argument("CUDA decode: budget below 2 pages");
   if (device < 0 && cudaGetDevice(&device) != cudaSuccess) throw std::runtime_error("CUDA decode: no device");
   cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) throw std::runtime_error("CUDA decode: no device");
+  if (cudaGetDeviceProperties(&prop, device) != cudaSuccess)
+    throw std::runtime_error("CUDA decode: no device " + std::to_string(device));
+  const DeviceScope on_device(device);
 
   DecodePlan p;
   p.shape = sh;

@@ -1,7 +1,9 @@
 // The Markdown summary and SVG plots of `locks eval`.
 #include "eval/eval_report.h"
 
+#include <array>
 #include <cmath>
+#include <filesystem>
 #include <limits>
 
 #include <fmt/format.h>
@@ -25,6 +27,14 @@ void for_rows(const std::vector<EvalRow>& rows, const std::string& fam, int len,
 std::string num(double v, int prec = 3) { return std::isnan(v) ? "–" : fmt::format("{:.{}f}", v, prec); }
 
 bool is_retrieval(const std::string& f) { return f != "continuation"; }
+
+// write_eval_plots' files: <dir>/<prefix><family and/or length>.svg.
+enum Plot { kAccuracy, kCarrier, kLadder, kLocality };
+constexpr std::array<const char*, 4> kPlotPrefixes = {"accuracy_vs_budget_", "carrier_retention_vs_budget_",
+                                                      "error_ladder_", "locality_"};
+std::string plot_path(const std::string& dir, Plot plot, const std::string& what) {
+  return dir + "/" + kPlotPrefixes[plot] + what + ".svg";
+}
 
 }  // namespace
 
@@ -112,6 +122,24 @@ std::string eval_summary_markdown(const EvalConfig& cfg, const std::vector<EvalR
   return out;
 }
 
+int remove_eval_plots(const std::string& out_dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  std::vector<fs::path> stale;
+  for (fs::directory_iterator it(out_dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (!it->is_regular_file(ec) || it->path().extension() != ".svg") continue;
+    for (const char* prefix : kPlotPrefixes)
+      if (name.rfind(prefix, 0) == 0) {
+        stale.push_back(it->path());
+        break;
+      }
+  }
+  int removed = 0;
+  for (const auto& path : stale) removed += fs::remove(path, ec) ? 1 : 0;
+  return removed;
+}
+
 void write_eval_plots(const EvalConfig& cfg, const std::vector<EvalRow>& rows,
                       const std::map<int, std::vector<LocalityResult>>& locality, const std::vector<int>& loc_ranks) {
   std::vector<double> xs(cfg.budgets.begin(), cfg.budgets.end());
@@ -130,7 +158,7 @@ void write_eval_plots(const EvalConfig& cfg, const std::vector<EvalRow>& rows,
         }
         series.push_back(std::move(s));
       }
-      write_text_file(cfg.out_dir + fmt::format("/accuracy_vs_budget_{}_{}.svg", fam, len),
+      write_text_file(plot_path(cfg.out_dir, kAccuracy, fmt::format("{}_{}", fam, len)),
                       svg_line_chart(is_retrieval(fam) ? fmt::format("{} @ {} tokens: accuracy", fam, len)
                                                        : fmt::format("continuation @ {} tokens: top-1 agreement", len),
                                      "budget (tokens per KV head)", "%", series, true, 0.0, 100.0));
@@ -153,7 +181,7 @@ void write_eval_plots(const EvalConfig& cfg, const std::vector<EvalRow>& rows,
         }
         series.push_back(std::move(s));
       }
-      write_text_file(cfg.out_dir + fmt::format("/carrier_retention_vs_budget_{}.svg", len),
+      write_text_file(plot_path(cfg.out_dir, kCarrier, std::to_string(len)),
                       svg_line_chart(fmt::format("carrier retention @ {} tokens (carrier >= 5% of mass)", len),
                                      "budget (tokens per KV head)", "fraction of steps kept", series, true, 0.0, 1.0));
       // Error ladder: LSE MAE of each estimating selector at the middle budget.
@@ -172,7 +200,7 @@ void write_eval_plots(const EvalConfig& cfg, const std::vector<EvalRow>& rows,
         if (n > 0) groups.push_back({sel, {s / n}});
       }
       if (!groups.empty())
-        write_text_file(cfg.out_dir + fmt::format("/error_ladder_{}.svg", len),
+        write_text_file(plot_path(cfg.out_dir, kLadder, std::to_string(len)),
                         svg_bar_chart(fmt::format("page log-mass error |s_hat - s| @ {} tokens, budget {}", len, b),
                                       "mean absolute error (nats)", {"LSE MAE"}, groups));
     }
@@ -192,7 +220,7 @@ void write_eval_plots(const EvalConfig& cfg, const std::vector<EvalRow>& rows,
       gl.x.push_back(ranks[k]);
       gl.y.push_back(m.global);
     }
-    write_text_file(cfg.out_dir + fmt::format("/locality_{}.svg", len),
+    write_text_file(plot_path(cfg.out_dir, kLocality, std::to_string(len)),
                     svg_line_chart(fmt::format("within-page key energy captured at rank r, {} tokens", len),
                                    fmt::format("rank (shared scopes also at matched bytes: rank {})", loc_ranks.back()),
                                    "fraction of energy", {pl, sq, gl}, true, 0.0, 1.0));

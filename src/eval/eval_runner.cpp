@@ -269,6 +269,7 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg,
 
   std::error_code ec;
   std::filesystem::create_directories(cfg.out_dir, ec);
+  remove_eval_plots(cfg.out_dir);  // a reused directory: no plots of other lengths or families
   const std::string csv_path = cfg.out_dir + "/results.csv";
   std::ofstream csv(csv_path, std::ios::trunc);
   if (!csv) throw std::runtime_error(fmt::format("cannot write '{}'", csv_path));

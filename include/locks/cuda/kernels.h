@@ -285,6 +285,8 @@ struct DecodePlan {
   int score_grid = 0;
   size_t counters_bytes = 0;
 };
+/// Sizes the grids from `device`'s SM count and the kernels' occupancy on it (default -1: the current
+/// device; the current device is restored on return). Launch the plan's kernels on that device.
 /// Throws std::invalid_argument for unsupported shapes (head_dim, group, budget) and
 /// std::runtime_error when no CUDA device is usable ("CUDA decode: no device").
 DecodePlan make_decode_plan(const DecodeShape& shape, int device = -1);
