@@ -15,6 +15,10 @@ def main():
     ours = {(r["shape"], int(r["context"]), int(r["batch"])): r for r in csv.DictReader(open(ours_path))}
     sdpa = {(r["shape"], int(r["context"]), int(r["batch"])): r for r in csv.DictReader(open(sdpa_path))}
     read = float(next(iter(ours.values()))["read_gbs"])
+    # Like against like: SDPA's replayed CUDA graphs against ours (CSVs from before the graph columns:
+    # SDPA launched from Python).
+    graph = "cudnn_graph_us" in next(iter(sdpa.values()))
+    print(f"SDPA timed as {'replayed CUDA graphs, as ours' if graph else 'launched from Python'}\n")
     print("| shape | context | batch | SDPA cuDNN µs | SDPA flash µs | our dense µs (GB/s) | our dense / cuDNN time | "
           "LOCKS step µs | LOCKS speedup vs cuDNN | vs our dense | dense MB | LOCKS MB | fewer bytes |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -22,7 +26,7 @@ def main():
         s = sdpa.get(k)
         if s is None:
             continue
-        c, f = float(s["cudnn_us"]), float(s["flash_us"])
+        c, f = float(s["cudnn_graph_us" if graph else "cudnn_us"]), float(s["flash_graph_us" if graph else "flash_us"])
         dn, lk = float(o["dense_us"]), float(o["locks_us"])
         db, lb = float(o["dense_bytes"]), float(o["locks_bytes"])
         print(f"| {k[0]} | {k[1] // 1024}K | {k[2]} | {c:.1f} | {f:.1f} | {dn:.1f} ({db / dn * 1e-3:.0f}) | "
@@ -39,6 +43,19 @@ def main():
               f"{float(o['l2_intermediate_bytes']) / 1e6:.1f} | {float(o['build_pages_per_s']) / 1e6:.2f} | "
               f"{float(o['build_batch_us']) / 16 / float(o['locks_us']) * 100:.0f}% |")
     print(f"\nmeasured read bandwidth {read:.0f} GB/s, copy {float(next(iter(ours.values()))['copy_gbs']):.0f} GB/s")
+    if graph and "locks_stream_us" in next(iter(ours.values())):
+        print("\nThe same work launched from the host (ours: the step's kernels into a stream; SDPA: from Python):\n")
+        print("| shape | context | batch | SDPA cuDNN µs | our dense µs | our dense / cuDNN time | LOCKS step µs | "
+              "LOCKS speedup vs cuDNN | ours, stream / graph: dense, LOCKS | cuDNN, Python / graph |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for k, o in ours.items():
+            s = sdpa.get(k)
+            if s is None:
+                continue
+            c, cg = float(s["cudnn_us"]), float(s["cudnn_graph_us"])
+            dn, lk = float(o["dense_stream_us"]), float(o["locks_stream_us"])
+            print(f"| {k[0]} | {k[1] // 1024}K | {k[2]} | {c:.1f} | {dn:.1f} | {dn / c:.2f} | {lk:.1f} | {c / lk:.1f}x | "
+                  f"{dn / float(o['dense_us']):.3f}, {lk / float(o['locks_us']):.3f} | {c / cg:.3f} |")
 
 
 if __name__ == "__main__":

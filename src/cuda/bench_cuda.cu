@@ -1,8 +1,9 @@
 // `locks bench --device cuda`: LOCKS decode step vs our dense paged kernel on the GPU, per layer.
 // Method: synthetic KV with realistic page spectra (a per-page direction plus noise), contiguous page
-// ids, summaries built on the GPU; each step captured in a CUDA graph; the L2 flushed (a 256 MiB
-// read) before every timed run; CUDA events; warm-up, then the median of `runs`; the two paths
-// alternate. Bytes are counted once, from the sizes the kernels read (see count_*).
+// ids, summaries built on the GPU; each step captured in a CUDA graph (and, for the last two
+// columns, launched into a stream); before every timed run a 200 us device wait (the host enqueues
+// ahead of the device) and an L2 flush (a 256 MiB read); CUDA events; warm-up, then the median of
+// `runs`; the paths alternate. Bytes are counted once, from the sizes the kernels read (see count_*).
 #include <algorithm>
 #include <cmath>
 #include <cerrno>
@@ -112,6 +113,19 @@ struct Timer {
   }
 };
 
+// One thread waiting `ns` nanoseconds of the device clock.
+__global__ void spin_kernel(uint64_t ns) {
+  uint64_t t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    __nanosleep(1000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < ns);
+}
+
+// Before every timed run: a 200 us wait on the device, so that the host has enqueued the timed work
+// before the device reaches it (the time is then the device's alone, without host launch cost, as
+// inside a model's captured decode graph), then the L2 flush (a 256 MiB read).
 struct Flusher {
   DevMem buf;
   DevMem sink;
@@ -120,7 +134,10 @@ struct Flusher {
   explicit Flusher(size_t bytes, int n_sm) : buf(bytes), sink(64), n(bytes / 16), grid(n_sm * 8) {
     ck(cudaMemset(buf.p, 1, bytes), "flush init");
   }
-  void run(cudaStream_t s) { read_kernel<<<grid, 512, 0, s>>>(buf.as<uint4>(), n, sink.as<uint32_t>()); }
+  void run(cudaStream_t s) {
+    spin_kernel<<<1, 1, 0, s>>>(200000);
+    read_kernel<<<grid, 512, 0, s>>>(buf.as<uint4>(), n, sink.as<uint32_t>());
+  }
 };
 
 // Median microseconds of `fn` (enqueue on stream s), L2 flushed before each run.
@@ -200,19 +217,19 @@ int run_bench(const BenchOptions& o) {
               copy_gbs);
   std::printf(
       "LOCKS budget %d tokens (%d pages), summaries r=8 int4 basis / int8 coef / int8 centroid, KV %s, "
-      "L2 flushed before each run, median of %d runs, CUDA graphs, PDL %s\n",
+      "L2 flushed before each run, median of %d runs, CUDA graphs (stream launches: last two columns), PDL %s\n",
       o.budget_tokens, o.budget_tokens / 16, o.bf16 ? "bf16" : "f16", o.runs, o.pdl ? "on" : "off");
 
   if (csv)
     std::fprintf(csv,
                  "shape,n_head_kv,group,head_dim,context,batch,dense_us,dense_bytes,locks_us,locks_bytes,score_us,"
                  "score_bytes,select_us,attn_us,attn_bytes,l2_intermediate_bytes,build_pages_per_s,build_batch_us,"
-                 "read_gbs,copy_gbs,build_32_layers_us\n");
+                 "read_gbs,copy_gbs,build_32_layers_us,dense_stream_us,locks_stream_us\n");
   std::printf(
       "\n| shape | context | batch | dense us | dense GB/s | LOCKS step us | score us | score GB/s (%% of read) "
       "| select us | sparse attn us | speedup | dense MB | LOCKS MB | fewer bytes | build Mpage/s | build/step "
-      "| build 32 layers us |\n"
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+      "| build 32 layers us | dense us (stream) | LOCKS us (stream) |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
 
   const auto shapes = o.shapes.empty() ? default_bench_shapes() : o.shapes;
   const int budget_pages = o.budget_tokens / 16;
@@ -354,12 +371,16 @@ int run_bench(const BenchOptions& o) {
         });
         cudaGraphExec_t g_attn = capture(s, [&] { ck(paged_decode_attention(atp, s), "sparse attention"); });
 
-        std::vector<double> t_dense, t_locks, t_score, t_ss, t_attn;
+        std::vector<double> t_dense, t_locks, t_score, t_ss, t_attn, t_dense_st, t_locks_st;
         Timer t;
-        auto timed = [&](cudaGraphExec_t g, std::vector<double>& acc, bool keep) {
+        // g: a graph launch; nullptr: the step's kernels launched into the stream (with_locks: LOCKS).
+        auto timed = [&](cudaGraphExec_t g, std::vector<double>& acc, bool keep, bool with_locks = false) {
           fl.run(s);
           ck(cudaEventRecord(t.a, s), "record");
-          ck(cudaGraphLaunch(g, s), "graph");
+          if (g)
+            ck(cudaGraphLaunch(g, s), "graph");
+          else
+            ck(with_locks ? locks_decode_step(plan, sp, s) : dense_decode_step(plan, sp, s), "step");
           ck(cudaEventRecord(t.b, s), "record");
           ck(cudaEventSynchronize(t.b), "run");
           float ms = 0.0f;
@@ -372,6 +393,8 @@ int run_bench(const BenchOptions& o) {
           timed(g_score, t_score, r >= 0);
           timed(g_ss, t_ss, r >= 0);
           timed(g_attn, t_attn, r >= 0);
+          timed(nullptr, t_dense_st, r >= 0, false);
+          timed(nullptr, t_locks_st, r >= 0, true);
         }
         ck(cudaGetLastError(), "timed runs");
         for (cudaGraphExec_t g : {g_locks, g_dense, g_score, g_ss, g_attn}) cudaGraphExecDestroy(g);
@@ -394,18 +417,21 @@ int run_bench(const BenchOptions& o) {
         const double locks_bytes = score_bytes + attn_bytes;
         const double l2_bytes = double(B) * H * pages * (G * 4.0 * 2 + 4.0 * 2);  // log-mass, keys (L2-resident)
         const double md = median(t_dense), ml = median(t_locks), msc = median(t_score), mss = median(t_ss),
-                     ma = median(t_attn);
+                     ma = median(t_attn), md_st = median(t_dense_st), ml_st = median(t_locks_st);
         std::printf(
             "| %s | %dK | %d | %.1f | %.0f | %.1f | %.1f | %.0f (%.0f%%) | %.1f | %.1f | %.2fx | %.1f | %.1f | "
-            "%.2fx | %.2f | %.3f | %.1f |\n",
+            "%.2fx | %.2f | %.3f | %.1f | %.1f | %.1f |\n",
             sh.name.c_str(), ctx / 1024, B, md, dense_bytes / md * 1e-3, ml, msc, score_bytes / msc * 1e-3,
             100.0 * score_bytes / msc * 1e-3 / read_gbs, mss - msc, ma, md / ml, dense_bytes / 1e6, locks_bytes / 1e6,
-            dense_bytes / locks_bytes, build_pps * 1e-6, build_batch_us / 16.0 / ml, build_layers_us);
+            dense_bytes / locks_bytes, build_pps * 1e-6, build_batch_us / 16.0 / ml, build_layers_us, md_st, ml_st);
         std::fflush(stdout);
         if (csv) {
-          std::fprintf(csv, "%s,%d,%d,%d,%d,%d,%.3f,%.0f,%.3f,%.0f,%.3f,%.0f,%.3f,%.3f,%.0f,%.0f,%.0f,%.3f,%.1f,%.1f,%.3f\n",
+          std::fprintf(csv,
+                       "%s,%d,%d,%d,%d,%d,%.3f,%.0f,%.3f,%.0f,%.3f,%.0f,%.3f,%.3f,%.0f,%.0f,%.0f,%.3f,%.1f,%.1f,%.3f,%.3f,"
+                       "%.3f\n",
                        sh.name.c_str(), H, G, D, ctx, B, md, dense_bytes, ml, locks_bytes, msc, score_bytes, mss - msc,
-                       ma, attn_bytes, l2_bytes, build_pps, build_batch_us, read_gbs, copy_gbs, build_layers_us);
+                       ma, attn_bytes, l2_bytes, build_pps, build_batch_us, read_gbs, copy_gbs, build_layers_us, md_st,
+                       ml_st);
           std::fflush(csv);
         }
       }
