@@ -10,7 +10,10 @@ cmake --build "$BUILD" -j2 --target locks locks_tests
 rm -rf "$BUILD/dist" && mkdir -p "$BUILD/dist/bin" "$BUILD/dist/lib"
 cp "$BUILD/bin/locks" "$BUILD/bin/locks_tests" "$BUILD/dist/bin/"
 nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a bench/cuda_read_patterns.cu -o "$BUILD/dist/bin/read_patterns"
-for lib in $(ldd "$BUILD/bin/locks" "$BUILD/bin/locks_tests" | awk '/=>/ {print $3}' | sort -u); do
+# examples/embed built against an install of this build, as an engine would (the GPU step runs there)
+bash tests/embed_example.sh "$(realpath "$BUILD")" "$PWD" "$(command -v g++)" "$(dirname "$(dirname "$(command -v nvcc)")")" >/dev/null
+cp "$BUILD/embed-test/build/embed_locks" "$BUILD/dist/bin/"
+for lib in $(ldd "$BUILD/bin/locks" "$BUILD/bin/locks_tests" "$BUILD/dist/bin/embed_locks" | awk '/=>/ {print $3}' | sort -u); do
   case "$(basename "$lib")" in
     libc.so*|libm.so*|libstdc++*|libgcc_s*|ld-linux*) ;;   # the image's own (newer) ones
     *) cp -L "$lib" "$BUILD/dist/lib/" ;;
