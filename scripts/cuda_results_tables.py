@@ -22,10 +22,12 @@ def main():
     print("| shape | context | batch | SDPA cuDNN µs | SDPA flash µs | our dense µs (GB/s) | our dense / cuDNN time | "
           "LOCKS step µs | LOCKS speedup vs cuDNN | vs our dense | dense MB | LOCKS MB | fewer bytes |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for k, o in ours.items():
-        s = sdpa.get(k)
-        if s is None:
-            continue
+    def joined():  # rows of both CSVs, in our order
+        for k, o in ours.items():
+            if k in sdpa:
+                yield k, o, sdpa[k]
+
+    for k, o, s in joined():
         c, f = float(s["cudnn_graph_us" if graph else "cudnn_us"]), float(s["flash_graph_us" if graph else "flash_us"])
         dn, lk = float(o["dense_us"]), float(o["locks_us"])
         db, lb = float(o["dense_bytes"]), float(o["locks_bytes"])
@@ -48,10 +50,7 @@ def main():
         print("| shape | context | batch | SDPA cuDNN µs | our dense µs | our dense / cuDNN time | LOCKS step µs | "
               "LOCKS speedup vs cuDNN | ours, stream / graph: dense, LOCKS | cuDNN, Python / graph |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-        for k, o in ours.items():
-            s = sdpa.get(k)
-            if s is None:
-                continue
+        for k, o, s in joined():
             c, cg = float(s["cudnn_us"]), float(s["cudnn_graph_us"])
             dn, lk = float(o["dense_stream_us"]), float(o["locks_stream_us"])
             print(f"| {k[0]} | {k[1] // 1024}K | {k[2]} | {c:.1f} | {dn:.1f} | {dn / c:.2f} | {lk:.1f} | {c / lk:.1f}x | "
