@@ -291,6 +291,7 @@ SelectParams step_select_params(const DecodePlan& plan, const DecodeStepParams& 
   se.selected = at<int32_t>(p.workspace, plan.off_selected);
   se.n_selected = at<int32_t>(p.workspace, plan.off_n_selected);
   se.pdl = plan.pdl;
+  se.pdl_early_reads = plan.pdl;  // score_pages does not write the page table
   if (plan.defer_lse_total) {
     se.chunk_stats = at<float>(p.workspace, plan.off_chunk_stats);
     se.n_chunks = plan.score_chunks;

@@ -95,6 +95,20 @@ __device__ void block_find_threshold(const uint32_t* bins, int n_bins, uint32_t 
   __syncthreads();
 }
 
+static_assert(kHistBins % kSelectThreads == 0, "select threads load the histogram evenly");
+
+// A kernel's start: pages of sequence b, then the PDL wait for the previous kernel. With
+// pdl_early_reads the page-table load goes out before the wait (the score pass does not write it),
+// so that its round trip overlaps the previous kernel's tail instead of following it.
+__device__ __forceinline__ int page_count(const SelectParams& p, int b) {
+  int n = 0;
+  if (p.pdl_early_reads) n = p.indptr[b + 1] - p.indptr[b];
+  pdl_wait();
+  pdl_launch_dependents();
+  if (!p.pdl_early_reads) n = p.indptr[b + 1] - p.indptr[b];
+  return n;
+}
+
 // GT: the group size rounded up to 8 or 16, so that G <= 8 holds half the log-mass registers (48
 // instead of 80 registers: 5 instead of 3 CTAs per SM, more loads in flight). MERGE: lse_total from
 // the chunk statistics (p.chunk_stats), a separate instance because the merge costs registers (63
@@ -107,11 +121,9 @@ __global__ void __launch_bounds__(kShareThreads) share_hist_kernel(SelectParams 
   __shared__ int loc_bin, loc_count;
   __shared__ uint32_t loc_above;
   __shared__ typename cub::BlockScan<uint32_t, kShareThreads>::TempStorage scan_tmp;
-  pdl_wait();
-  pdl_launch_dependents();
   const int b = blockIdx.z, h = blockIdx.y;
   const size_t bh = size_t(b) * p.n_head_kv + h;
-  const int n = p.indptr[b + 1] - p.indptr[b];
+  const int n = page_count(p, b);
   const int j0 = blockIdx.x * kSharePagesPerCta;
   if (j0 >= n || n > p.log_mass_stride) return;  // (too many pages: bad input, see select_kernel)
   const int k = max(p.budget_pages, 2);
@@ -247,11 +259,15 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectParams p) 
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ typename cub::BlockScan<uint32_t, kSelectThreads>::TempStorage uscan_tmp;
 
-  pdl_wait();
-  pdl_launch_dependents();
   const int b = blockIdx.y, h = blockIdx.x;
   const size_t bh = size_t(b) * p.n_head_kv + h;
-  const int n = p.indptr[b + 1] - p.indptr[b];
+  const int n = page_count(p, b);
+  uint32_t* gh = p.hist + bh * kHistBins;
+  // The histogram's loads go out with lse_total's (one round trip; unused when the budget covers the
+  // sequence, whose histogram is empty).
+  uint32_t hv[kHistBins / kSelectThreads];
+#pragma unroll
+  for (int e = 0; e < kHistBins / kSelectThreads; ++e) hv[e] = gh[threadIdx.x + e * kSelectThreads];
   const float lse0 = p.lse_total[bh * p.group];
   const int k = max(p.budget_pages, 2);
   int32_t* out = p.selected + bh * p.budget_pages;
@@ -266,9 +282,9 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectParams p) 
   }
   const uint32_t need = uint32_t(k - 2);
   const uint32_t* keys = p.keys + bh * p.log_mass_stride;
-  uint32_t* gh = p.hist + bh * kHistBins;
 
-  for (int i = threadIdx.x; i < kHistBins; i += kSelectThreads) hist[i] = gh[i];
+#pragma unroll
+  for (int e = 0; e < kHistBins / kSelectThreads; ++e) hist[threadIdx.x + e * kSelectThreads] = hv[e];
   const int n_words = (n + 31) / 32;
   for (int i = threadIdx.x; i < n_words; i += kSelectThreads) bitmap[i] = 0;
   if (threadIdx.x == 0) sh_ncand = 0;

@@ -191,6 +191,9 @@ struct SelectParams {
   int32_t* n_selected = nullptr;     // out [batch][n_head_kv] = min(k, n_pages_b)
   float* shares = nullptr;           // optional out [batch][n_head_kv][log_mass_stride]
   bool pdl = false;
+  /// With pdl: read indptr before waiting for the previous kernel. Valid when that kernel does not
+  /// write the page table (score_pages inside locks_decode_step).
+  bool pdl_early_reads = false;
   /// Nullable: the score pass's chunk statistics ([batch][n_head_kv][16][n_chunks][2], log2 units;
   /// required after a pass with defer_lse_total). Every CTA of the first kernel then merges lse_total
   /// itself (one round trip instead of the score pass's last-CTA chain), and CTA 0 of each (b, h)
