@@ -126,8 +126,9 @@ int count_svgs(const std::filesystem::path& dir) {
 
 }  // namespace
 
-// A reused --out directory: the report's own plots (of any length) go, other files stay.
-TEST(EvalReport, RemoveEvalPlotsTakesExactlyWhatWriteEvalPlotsWrites) {
+// A reused --out directory: the previous report (summary, locality table, plots of any length) goes,
+// other files stay.
+TEST(EvalReport, RemoveEvalReportTakesExactlyWhatTheReportWrites) {
   namespace fs = std::filesystem;
   const fs::path dir = fs::temp_directory_path() / "locks_eval_report_remove";
   fs::remove_all(dir);
@@ -139,14 +140,16 @@ TEST(EvalReport, RemoveEvalPlotsTakesExactlyWhatWriteEvalPlotsWrites) {
   cfg.budgets = {32, 64};
   cfg.selectors = {"locks"};
   locks::write_eval_plots(cfg, {}, {}, {});
-  const int written = count_svgs(dir);
-  ASSERT_GE(written, 6);  // accuracy per (family, length) + carrier retention per length
-  for (const char* other : {"notes.svg", "locality.csv", "results.csv", "locality.svg"})
-    locks::write_text_file((dir / other).string(), "x");
-  EXPECT_EQ(locks::remove_eval_plots(dir.string()), written);
+  const int plots = count_svgs(dir);
+  ASSERT_GE(plots, 6);  // accuracy per (family, length) + carrier retention per length
+  for (const char* report : {"summary.md", "locality.csv"}) locks::write_text_file((dir / report).string(), "x");
+  const std::vector<const char*> others = {"notes.svg", "results.csv", "locality.svg", "summary.md.bak"};
+  for (const char* other : others) locks::write_text_file((dir / other).string(), "x");
+  EXPECT_EQ(locks::remove_eval_report(dir.string()), plots + 2);
   EXPECT_EQ(count_svgs(dir), 2);  // notes.svg, locality.svg
-  for (const char* other : {"notes.svg", "locality.csv", "results.csv", "locality.svg"})
-    EXPECT_TRUE(fs::exists(dir / other)) << other;
-  EXPECT_EQ(locks::remove_eval_plots((dir / "missing").string()), 0);
+  EXPECT_FALSE(fs::exists(dir / "summary.md"));
+  EXPECT_FALSE(fs::exists(dir / "locality.csv"));
+  for (const char* other : others) EXPECT_TRUE(fs::exists(dir / other)) << other;
+  EXPECT_EQ(locks::remove_eval_report((dir / "missing").string()), 0);
   fs::remove_all(dir);
 }

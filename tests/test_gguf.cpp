@@ -428,6 +428,30 @@ TEST_F(GgufModels, UnsupportedArchitectureIsEscaped) {
   }
 }
 
+// Optional keys the file lacks take llama.cpp's defaults and are named in defaults_used (the CLI
+// warns): a key renamed by one byte is missing to the loader.
+TEST_F(GgufModels, MissingOptionalKeysAreNoted) {
+  std::ifstream in(test::source_path("models/locks-ref-a-q8_0.gguf"), std::ios::binary);
+  const std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), {});
+  const LlamaModel full = LlamaModel::from_gguf(GgufFile::from_bytes(bytes, "m.gguf"));
+  EXPECT_TRUE(full.defaults_used.empty());
+  EXPECT_NE(full.hp.rope_freq_base, 10000.0f);
+  auto renamed = [&](const std::string& key) {
+    std::vector<uint8_t> b = bytes;
+    const auto it = std::search(b.begin(), b.end(), key.begin(), key.end());
+    EXPECT_NE(it, b.end()) << key;
+    *(it + std::ptrdiff_t(key.size()) - 1) ^= 0x01;  // last character changed
+    return LlamaModel::from_gguf(GgufFile::from_bytes(b, "m.gguf"));
+  };
+  const LlamaModel no_base = renamed("llama.rope.freq_base");
+  EXPECT_EQ(no_base.hp.rope_freq_base, 10000.0f);
+  ASSERT_EQ(no_base.defaults_used.size(), 1u);
+  EXPECT_EQ(no_base.defaults_used[0], "llama.rope.freq_base is missing: 10000 (llama.cpp's default)");
+  const LlamaModel no_scores = renamed("tokenizer.ggml.scores");
+  ASSERT_EQ(no_scores.defaults_used.size(), 1u);
+  EXPECT_THAT(no_scores.defaults_used[0], HasSubstr("tokenizer.ggml.scores is missing: every piece scored 0"));
+}
+
 TEST_F(GgufModels, LocksRefMetadataAndShapes) {
   const GgufFile f = GgufFile::open(test::shared_path("models/locks-ref-a-q8_0.gguf"));
   EXPECT_EQ(f.version(), 3u);

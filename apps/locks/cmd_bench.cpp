@@ -175,6 +175,7 @@ std::vector<int32_t> haystack_tokens(const LlamaModel& model, int n) {
 
 void bench_model(const BenchArgs& a) {
   const LlamaModel model = LlamaModel::load(a.model.empty() ? default_model_path() : a.model);
+  warn_model_defaults(model.defaults_used);
   // A 4096-token prefill, then a long context for the decode comparison.
   constexpr int kMinModelContext = 4096 + 64;
   if (model.hp.n_ctx_train < kMinModelContext)
@@ -257,31 +258,42 @@ Runner add_bench(CLI::App& app) {
       app.add_option("--contexts", a->contexts, "context lengths in tokens for the attention benchmark (comma list)")
           ->delimiter(',')
           ->transform(decimal_integer())
-          ->check(CLI::Range(32, 1 << 24));
+          ->check(CLI::Range(32, 1 << 24))
+          ->capture_default_str();
   CLI::Option* o_kv =
-      app.add_option("--kv-heads", a->n_head_kv, "KV heads")->transform(decimal_integer())->check(CLI::Range(1, 64));
+      app.add_option("--kv-heads", a->n_head_kv, "KV heads")
+          ->transform(decimal_integer())
+          ->check(CLI::Range(1, 64))
+          ->capture_default_str();
   CLI::Option* o_grp = app.add_option("--group", a->n_group, "query heads per KV head (G)")
                            ->transform(decimal_integer())
-                           ->check(CLI::Range(1, 64));
+                           ->check(CLI::Range(1, 64))
+                           ->capture_default_str();
   CLI::Option* o_hd = app.add_option("--head-dim", a->head_dim, "head dimension (multiple of 8, <= 256)")
                           ->transform(decimal_integer())
-                          ->check(CLI::Range(8, 256));
-  CLI::Option* o_bud = app.add_option("-b,--budget", a->budget, "LOCKS budget in tokens (multiple of 16)")
+                          ->check(CLI::Range(8, 256))
+                          ->capture_default_str();
+  CLI::Option* o_bud = app.add_option("-b,--budget", a->budget, "LOCKS budget in tokens (multiple of 16; cuda: 2048)")
                            ->transform(decimal_integer())
-                           ->check(CLI::Range(32, 1 << 24));
-  CLI::Option* o_runs = app.add_option("--runs", a->runs, "timed runs per context (median reported)")
+                           ->check(CLI::Range(32, 1 << 24))
+                           ->capture_default_str();
+  CLI::Option* o_runs = app.add_option("--runs", a->runs, "timed runs per context (median reported; cuda: 30)")
                             ->transform(decimal_integer())
-                            ->check(CLI::Range(1, 10000));
+                            ->check(CLI::Range(1, 10000))
+                            ->capture_default_str();
   // ---- CUDA (`--device cuda`) ----
   app.add_option("--device", a->device,
-                 "cpu (default) or cuda: the GPU kernels, issue 3's shapes unless "
-                 "--contexts/--kv-heads/--group/--head-dim are given; budget 2048")
+                 "cpu (default) or cuda: the GPU kernels on Llama-3.1-8B (8 KV heads x 4, d 128; 32K/128K/256K "
+                 "tokens) and GLM-4-9B-1M (4 KV heads x 8 and 2 x 16, d 128; 128K/256K/1M tokens) shapes, or "
+                 "one custom shape when --contexts/--kv-heads/--group/--head-dim are given")
+      ->capture_default_str()
       ->check(CLI::IsMember({"cpu", "cuda"}));
   const std::vector<CLI::Option*> cuda_only = {
       app.add_option("--batches", a->batches, "cuda: batch sizes")
           ->delimiter(',')
           ->transform(decimal_integer())
-          ->check(CLI::Range(1, 256)),
+          ->check(CLI::Range(1, 256))
+          ->capture_default_str(),
       app.add_option("--csv", a->csv, "cuda: also write the results as CSV to this path")->check(non_empty_path()),
       app.add_flag("--f16", a->f16, "cuda: f16 KV instead of bf16"),
       app.add_flag("--no-pdl", a->no_pdl, "cuda: launch the step's kernels without programmatic dependent launch")};
@@ -301,6 +313,8 @@ Runner add_bench(CLI::App& app) {
                                                                       : "only applies with --device cuda");
     if (a->skip_model && a->skip_attention)
       throw CLI::ValidationError("--skip-model", "with --skip-attention leaves nothing to run");
+    if (a->skip_model && !a->model.empty())
+      throw CLI::ValidationError("--model", "does not apply with --skip-model (the model is not loaded)");
     // ---- CUDA (`--device cuda`) ----
     if (a->device == "cuda") {
       // The kernels' shapes, checked before the device is touched (src/cuda: make_decode_plan).

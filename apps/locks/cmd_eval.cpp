@@ -65,7 +65,10 @@ Runner add_eval(CLI::App& app) {
       ->transform(decimal_integer())
       ->check(CLI::Range(1, 16))
       ->capture_default_str();
-  app.add_option("--out", c->out_dir, "output directory (results.csv, summary.md)")
+  app.add_option("--out", c->out_dir,
+                 "output directory: results.csv, summary.md, locality.csv and SVG plots (a reused directory first "
+                 "loses the previous run's summary.md, locality.csv and plots: accuracy_vs_budget_*, "
+                 "carrier_retention_vs_budget_*, error_ladder_*, locality_*.svg)")
       ->check(non_empty_path())
       ->capture_default_str();
   app.add_option("--threads", *threads, "CPU threads (default: all cores)")
@@ -113,14 +116,18 @@ Runner add_eval(CLI::App& app) {
     };
     std::vector<EvalRow> rows;
     try {
-      rows = run_eval(cfg, progress);
+      rows = run_eval(cfg, progress, [&progress_shown](const std::string& note) {
+        if (progress_shown) fmt::print(stderr, "\n");  // not on the progress line
+        progress_shown = false;
+        warn_model_defaults({note});
+      });
     } catch (...) {
       if (progress_shown) fmt::print(stderr, "\n");  // end the progress line before the error
       throw;
     }
     fmt::print(stderr, "\n");
     fmt::print("{}", eval_summary_markdown(cfg, rows));
-    fmt::print(stderr, "[eval] wrote {}/results.csv and {}/summary.md\n", cfg.out_dir, cfg.out_dir);
+    fmt::print(stderr, "[eval] wrote results.csv, summary.md, locality.csv and the plots to {}\n", cfg.out_dir);
     return 0;
   };
 }

@@ -20,6 +20,10 @@ namespace locks::cli {
 
 std::string default_model_path() { return resolve_default_path("models/locks-ref-a-q8_0.gguf"); }
 
+void warn_model_defaults(const std::vector<std::string>& notes) {
+  for (const std::string& n : notes) fmt::print(stderr, "[locks] warning: {}\n", n);
+}
+
 namespace {
 
 struct RunArgs {
@@ -60,16 +64,19 @@ int run(const RunArgs& a) {
     throw CLI::ValidationError("--prompt", "--prompt and --prompt-file are mutually exclusive");
   if (a.prompt_given) {
     prompt = a.prompt;
-  } else if (a.prompt_file == "-") {
-    prompt = read_input("-", kMaxPromptBytes, "prompt file");
   } else if (!a.prompt_file.empty()) {
     prompt = read_input(a.prompt_file, kMaxPromptBytes, "prompt file");
+    // An empty file is more likely a mistake than a request to generate from BOS, which -p "" asks.
+    if (prompt.empty())
+      throw std::invalid_argument(fmt::format("prompt file '{}' is empty (-p \"\" generates from BOS alone)",
+                                              a.prompt_file == "-" ? std::string("standard input") : a.prompt_file));
   } else {
     prompt = read_input(resolve_default_path(kDefaultPrompt), kMaxPromptBytes, "prompt file");
     default_prompt = true;
   }
   const std::string model_path = a.model.empty() ? default_model_path() : a.model;
   const LlamaModel model = LlamaModel::load(model_path);
+  warn_model_defaults(model.defaults_used);
   // A prompt far beyond the context is refused before tokenizing it (tens of seconds for ~100 MB),
   // by a lower bound on its token count; one that may fit is tokenized and checked exactly later.
   const int64_t n_ctx = a.n_ctx > 0 ? a.n_ctx : model.hp.n_ctx_train;

@@ -21,6 +21,9 @@ Runner add_eval(CLI::App& app);
 /// Shared: the embedded default model path (models/locks-ref-a-q8_0.gguf, resolved).
 std::string default_model_path();
 
+/// Shared: a loaded model's notes (LlamaModel::defaults_used) as "[locks] warning: ..." lines on stderr.
+void warn_model_defaults(const std::vector<std::string>& notes);
+
 /// Shared, for path options: an empty path is an error (not "use the default").
 inline CLI::Validator non_empty_path() {
   return CLI::Validator([](std::string& s) { return s.empty() ? std::string("empty path") : std::string(); },

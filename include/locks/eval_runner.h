@@ -77,11 +77,14 @@ struct EvalRow {
 void check_eval_config(const EvalConfig& cfg);
 
 /// Run the grid. Rows are appended to out_dir/results.csv as they finish (an interrupted run keeps
-/// them); summary.md, locality.csv and the SVG plots are written at the end. `progress` (optional)
-/// is called as contexts start and finish. Throws std::invalid_argument for unknown families,
-/// selectors or bad budgets, std::runtime_error for an unreadable model/corpus or unwritable out_dir.
+/// them); summary.md, locality.csv and the SVG plots are written at the end; a reused out_dir first
+/// loses the previous run's report (remove_eval_report). `progress` (optional) is called as contexts
+/// start and finish; `warn` (optional) with each of the model's notes (LlamaModel::defaults_used).
+/// Throws std::invalid_argument for unknown families, selectors or bad budgets, std::runtime_error
+/// for an unreadable model/corpus or unwritable out_dir.
 std::vector<EvalRow> run_eval(const EvalConfig& cfg,
-                              const std::function<void(int done, int total, const std::string& what)>& progress = {});
+                              const std::function<void(int done, int total, const std::string& what)>& progress = {},
+                              const std::function<void(const std::string& note)>& warn = {});
 
 /// Markdown report from finished rows: accuracy per (family, length) as selector x budget, the
 /// continuation agreement, and the fidelity chain per selector x budget.

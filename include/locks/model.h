@@ -55,6 +55,10 @@ class LlamaModel {
   std::vector<LlamaLayer> layers;
   Tokenizer tokenizer;
   std::string name;
+  /// Optional GGUF keys the file lacks, each with the llama.cpp default that replaced it, e.g.
+  /// "llama.rope.freq_base is missing: 10000 (llama.cpp's default)". A model whose converter left
+  /// them out may decode differently from the model it was made from; the CLI prints them as warnings.
+  std::vector<std::string> defaults_used;
 
   const Matrix& output_matrix() const { return output.data.empty() ? tok_embd : output; }
 };

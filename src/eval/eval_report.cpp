@@ -122,13 +122,18 @@ std::string eval_summary_markdown(const EvalConfig& cfg, const std::vector<EvalR
   return out;
 }
 
-int remove_eval_plots(const std::string& out_dir) {
+int remove_eval_report(const std::string& out_dir) {
   namespace fs = std::filesystem;
   std::error_code ec;
   std::vector<fs::path> stale;
   for (fs::directory_iterator it(out_dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
-    if (!it->is_regular_file(ec) || it->path().extension() != ".svg") continue;
+    if (!it->is_regular_file(ec)) continue;
+    if (name == "summary.md" || name == "locality.csv") {
+      stale.push_back(it->path());
+      continue;
+    }
+    if (it->path().extension() != ".svg") continue;
     for (const char* prefix : kPlotPrefixes)
       if (name.rfind(prefix, 0) == 0) {
         stale.push_back(it->path());

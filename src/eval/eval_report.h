@@ -16,9 +16,10 @@ namespace locks {
 void write_eval_plots(const EvalConfig& cfg, const std::vector<EvalRow>& rows,
                       const std::map<int, std::vector<LocalityResult>>& locality, const std::vector<int>& loc_ranks);
 
-/// Removes the plots write_eval_plots names from `out_dir` (of any family and length), so that a
-/// reused directory holds only this run's. Returns how many were removed; failures are ignored
-/// (the writers report an unwritable directory).
-int remove_eval_plots(const std::string& out_dir);
+/// Removes a previous run's report from `out_dir`: summary.md, locality.csv and the plots
+/// write_eval_plots names (of any family and length; other files stay), so that a reused directory,
+/// even after an interrupted run, never mixes two runs. Returns how many files were removed;
+/// failures are ignored (the writers report an unwritable directory).
+int remove_eval_report(const std::string& out_dir);
 
 }  // namespace locks

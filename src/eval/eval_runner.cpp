@@ -230,7 +230,8 @@ void check_eval_config(const EvalConfig& cfg) {
 }
 
 std::vector<EvalRow> run_eval(const EvalConfig& cfg,
-                              const std::function<void(int, int, const std::string&)>& progress) {
+                              const std::function<void(int, int, const std::string&)>& progress,
+                              const std::function<void(const std::string&)>& warn) {
   // Validate everything before the (long) run starts.
   check_eval_config(cfg);
   bool continuation = false;
@@ -245,6 +246,8 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg,
   for (const auto& s : cfg.selectors) specs.push_back(parse_selector_spec(s, cfg.summary));
 
   const LlamaModel model = LlamaModel::load(cfg.model_path);
+  if (warn)
+    for (const std::string& n : model.defaults_used) warn(n);
   for (int len : cfg.lengths)
     if (len > model.hp.n_ctx_train)
       throw std::invalid_argument(
@@ -269,7 +272,7 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg,
 
   std::error_code ec;
   std::filesystem::create_directories(cfg.out_dir, ec);
-  remove_eval_plots(cfg.out_dir);  // a reused directory: no plots of other lengths or families
+  remove_eval_report(cfg.out_dir);  // a reused directory: nothing of the previous run's report
   const std::string csv_path = cfg.out_dir + "/results.csv";
   std::ofstream csv(csv_path, std::ios::trunc);
   if (!csv) throw std::runtime_error(fmt::format("cannot write '{}'", csv_path));

@@ -56,6 +56,14 @@ LlamaModel LlamaModel::from_gguf(const GgufFile& f) {
   hp.n_head = size_key("llama.attention.head_count", f.get_u32("llama.attention.head_count"), 1024);
   hp.n_head_kv = size_key("llama.attention.head_count_kv",
                           f.get_u32_or("llama.attention.head_count_kv", uint32_t(hp.n_head)), 1024);
+  // Optional keys: llama.cpp's defaults, noted (a silently different rope base or tokenizer changes
+  // the output). head_count_kv and rope.dimension_count are left out of the notes: their absence is
+  // how a multi-head model with full rotary dimensions is written.
+  for (auto [key, what] : {std::pair{"llama.rope.freq_base", "10000"},
+                           std::pair{"llama.attention.layer_norm_rms_epsilon", "1e-5"},
+                           std::pair{"tokenizer.ggml.scores", "every piece scored 0 (merges by piece order only)"},
+                           std::pair{"tokenizer.ggml.token_type", "every piece a normal token"}})
+    if (!f.has_key(key)) m.defaults_used.push_back(fmt::format("{} is missing: {} (llama.cpp's default)", key, what));
   hp.rope_freq_base = f.get_f32_or("llama.rope.freq_base", 10000.0f);
   hp.rms_eps = f.get_f32_or("llama.attention.layer_norm_rms_epsilon", 1e-5f);
   if (hp.n_embd % hp.n_head != 0) throw bad(fmt::format("n_embd {} not divisible by n_head {}", hp.n_embd, hp.n_head));
