@@ -49,6 +49,10 @@ struct DeviceBuffer {  // cudaMalloc'd, freed on scope exit
 bool gpu_decode_step(const locks::PagedKvCache& cache, const locks::KvSequence& seq, const std::vector<float>& q,
                      int G, int needle_page, const std::vector<float>& o_dense) {
   const auto& cfg = cache.config();
+  if (cfg.dtype != locks::KvDtype::F16) {  // the device pool takes the CPU pages as they are: f16 here
+    std::fprintf(stderr, "CUDA: this example uploads an f16 cache\n");
+    return false;
+  }
   const int H = cfg.n_head_kv, d = cfg.head_dim, n = seq.n_pages();
   const size_t pool_bytes = size_t(cfg.n_pages) * H * 16 * d * sizeof(uint16_t);  // one layer, f16
   const size_t rec_bytes = lc::summary_record_bytes(d);
