@@ -375,11 +375,13 @@ struct ScoreOut {
 };
 
 // defer: ScoreParams::defer_lse_total (lse_total left to select_pages; chunk_stats returned).
+// balance: chunks sized from the page table at run time (ScoreParams::balance_chunks) with a
+// capacity of one chunk per 32 pages of the longest sequence; chunk_pages is then unused.
 ScoreOut run_score(const World& w, const std::vector<uint8_t>& records, const std::vector<float>& q, int chunk_pages,
-                   int grid = 0, bool defer = false) {
+                   int grid = 0, bool defer = false, bool balance = false) {
   ScoreOut out;
   out.stride = (w.max_pages + 7) / 8 * 8;
-  const int n_chunks = std::max(1, (w.max_pages + chunk_pages - 1) / chunk_pages);
+  const int n_chunks = std::max(1, (w.max_pages + (balance ? 32 : chunk_pages) - 1) / (balance ? 32 : chunk_pages));
   out.n_chunks = n_chunks;
   Dev<uint8_t> drec(records);
   Dev<float> dq(q), dlm(size_t(w.B()) * w.H * w.G * out.stride), dlse(size_t(w.B()) * w.H * w.G),
@@ -406,6 +408,7 @@ ScoreOut run_score(const World& w, const std::vector<uint8_t>& records, const st
   p.grid = grid;
   p.pdl = true;
   p.defer_lse_total = defer;
+  p.balance_chunks = balance;
   ck(lc::score_pages(p, nullptr), "score_pages");
   dev_sync();
   out.log_mass = dlm.down();
@@ -959,7 +962,13 @@ TEST(CudaScore, MatchesCpuStoreAllGroupSizes) {
       // Chunks of 32 or 64 pages; persistent grids of 3 CTAs (many items each) or a full device.
       const ScoreOut g = run_score(w, s.records, q, G % 2 ? 32 : 64, G % 3 ? 0 : 3);
       const auto ref = cpu_log_mass(w, s.store, q, g.stride);
-      const double worst = check_scores(w, g, ref, "score");
+      double worst = check_scores(w, g, ref, "score");
+      // Balanced chunks: the ragged lengths above spread over the grid (a full device; 3 CTAs: one
+      // chunk per sequence and head, many items per CTA; 40: some sequences get several chunks).
+      for (int grid : {0, 3, 40}) {
+        const ScoreOut gb = run_score(w, s.records, q, 32, grid, false, /*balance=*/true);
+        worst = std::max(worst, check_scores(w, gb, ref, "score, balanced chunks"));
+      }
       std::printf("[ score d=%d G=%d ] max |gpu - cpu| = %.2e\n", d, G, worst);
     }
 }
@@ -1123,40 +1132,43 @@ TEST(CudaSelect, MergesTheScorePassDeferredStatistics) {
       World w(128, 2, G, lens, lc::KvType::kF16, 1300 + G, false);
       Summaries s(w);
       const auto q = w.queries(23 + G);
-      const ScoreOut g = run_score(w, s.records, q, 32, 0, /*defer=*/true);
-      const int B = int(w.lengths.size()), k = 16;
-      for (int b = 0; b < B; ++b)
-        for (int r = 0; r < w.H * G; ++r) {
-          const float v = g.lse_total[size_t(b) * w.H * G + r];
-          if (w.indptr[b + 1] == w.indptr[b])
-            EXPECT_EQ(v, -INFINITY) << "deferred score pass, empty sequence " << b;
-          else
-            EXPECT_TRUE(std::isnan(v)) << "deferred score pass leaves lse_total NaN, sequence " << b;
-        }
-      const SelectOut o = run_select(B, w.H, G, w.indptr, g.log_mass, g.lse_total, g.stride, k, &g.chunk_stats,
-                                     g.n_chunks);
-      for (int b = 0; b < B; ++b)
-        for (int h = 0; h < w.H; ++h)
-          for (int gg = 0; gg < G; ++gg) {
-            const int n = w.indptr[b + 1] - w.indptr[b];
-            const size_t row = (size_t(b) * w.H + h) * G + gg;
-            const float got = o.lse_total[row];
-            if (n == 0) {
-              EXPECT_EQ(got, -INFINITY) << "empty sequence, b " << b;
-              continue;
+      for (bool balance : {false, true}) {
+        const ScoreOut g = run_score(w, s.records, q, 32, 0, /*defer=*/true, balance);
+        const int B = int(w.lengths.size()), k = 16;
+        for (int b = 0; b < B; ++b)
+          for (int r = 0; r < w.H * G; ++r) {
+            const float v = g.lse_total[size_t(b) * w.H * G + r];
+            if (w.indptr[b + 1] == w.indptr[b])
+              EXPECT_EQ(v, -INFINITY) << "deferred score pass, empty sequence " << b;
+            else
+              EXPECT_TRUE(std::isnan(v)) << "deferred score pass leaves lse_total NaN, sequence " << b;
+          }
+        const SelectOut o = run_select(B, w.H, G, w.indptr, g.log_mass, g.lse_total, g.stride, k, &g.chunk_stats,
+                                       g.n_chunks);
+        for (int b = 0; b < B; ++b)
+          for (int h = 0; h < w.H; ++h)
+            for (int gg = 0; gg < G; ++gg) {
+              const int n = w.indptr[b + 1] - w.indptr[b];
+              const size_t row = (size_t(b) * w.H + h) * G + gg;
+              const float got = o.lse_total[row];
+              if (n == 0) {
+                EXPECT_EQ(got, -INFINITY) << "empty sequence, b " << b;
+                continue;
+              }
+              const double ref = lse_of(&g.log_mass[row * g.stride], n);
+              EXPECT_NEAR(got, ref, 1e-4 + 1e-6 * std::abs(ref)) << "b " << b << " h " << h << " g " << gg;
             }
-            const double ref = lse_of(&g.log_mass[row * g.stride], n);
-            EXPECT_NEAR(got, ref, 1e-4 + 1e-6 * std::abs(ref)) << "b " << b << " h " << h << " g " << gg;
-          }
-      check_selection(B, w.H, G, w.indptr, g.log_mass, g.stride, k, o, 1e-6, false);
-      std::printf("[ deferred merge G=%d ] %d chunks: lse_total and selection match\n", G, g.n_chunks);
+        check_selection(B, w.H, G, w.indptr, g.log_mass, g.stride, k, o, 1e-6, false);
+        std::printf("[ deferred merge G=%d%s ] %d chunks: lse_total and selection match\n", G,
+                    balance ? ", balanced chunks" : "", g.n_chunks);
 
-      const SelectOut loud = run_select(B, w.H, G, w.indptr, g.log_mass, g.lse_total, g.stride, k);
-      for (int b = 0; b < B; ++b)
-        for (int h = 0; h < w.H; ++h)
-          if (w.indptr[b + 1] > w.indptr[b]) {
-            EXPECT_EQ(loud.n_sel[size_t(b) * w.H + h], -1) << "b " << b;
-          }
+        const SelectOut loud = run_select(B, w.H, G, w.indptr, g.log_mass, g.lse_total, g.stride, k);
+        for (int b = 0; b < B; ++b)
+          for (int h = 0; h < w.H; ++h)
+            if (w.indptr[b + 1] > w.indptr[b]) {
+              EXPECT_EQ(loud.n_sel[size_t(b) * w.H + h], -1) << "b " << b;
+            }
+      }
     }
 }
 

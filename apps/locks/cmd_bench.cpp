@@ -47,6 +47,7 @@ struct BenchArgs {
   std::string csv;
   bool f16 = false;
   bool no_pdl = false;
+  bool ragged = false;
   // ---- end CUDA ----
 };
 
@@ -237,6 +238,7 @@ int bench_cuda(const BenchArgs& a, bool custom_shape, bool budget_given, bool ru
   o.csv = a.csv;
   o.bf16 = !a.f16;
   o.pdl = !a.no_pdl;
+  o.ragged = a.ragged;
   return cuda::run_bench(o);
 #else
   (void)a;
@@ -296,7 +298,10 @@ Runner add_bench(CLI::App& app) {
           ->capture_default_str(),
       app.add_option("--csv", a->csv, "cuda: also write the results as CSV to this path")->check(non_empty_path()),
       app.add_flag("--f16", a->f16, "cuda: f16 KV instead of bf16"),
-      app.add_flag("--no-pdl", a->no_pdl, "cuda: launch the step's kernels without programmatic dependent launch")};
+      app.add_flag("--no-pdl", a->no_pdl, "cuda: launch the step's kernels without programmatic dependent launch"),
+      app.add_flag("--ragged", a->ragged,
+                   "cuda: sequence b of a batch holds context / 2^b tokens (one long sequence, ever shorter ones) "
+                   "instead of context each")};
   // ---- end CUDA ----
   const std::vector<CLI::Option*> cpu_only = {
       app.add_option("-m,--model", a->model, "cpu: GGUF model for the engine benchmark")->check(non_empty_path()),

@@ -237,22 +237,33 @@ int run_bench(const BenchOptions& o) {
     for (int ctx : sh.contexts)
       for (int B : o.batches) {
         const int H = sh.n_head_kv, G = sh.group, D = sh.head_dim;
-        const int tokens = ctx - 7;  // a partial recent page, as in the middle of decoding
-        const int pages = (tokens + 15) / 16;
-        const int last_len = tokens - 16 * (pages - 1);
-        const size_t pool = size_t(B) * pages;
+        // Sequence b holds ctx - 7 tokens (a partial recent page, as in the middle of decoding), or
+        // with ragged, (ctx >> b) - 7 (at least 9): one long sequence and ever shorter ones.
+        std::vector<int> tok(B), pg(B), last(B);
+        size_t pool = 0;
+        double sum_tok = 0.0, sum_pg = 0.0;
+        for (int b = 0; b < B; ++b) {
+          tok[b] = std::max(16, o.ragged ? ctx >> std::min(b, 30) : ctx) - 7;
+          pg[b] = (tok[b] + 15) / 16;
+          last[b] = tok[b] - 16 * (pg[b] - 1);
+          pool += size_t(pg[b]);
+          sum_tok += tok[b];
+          sum_pg += pg[b];
+        }
+        const int pages = pg[0];  // the longest sequence
+        const std::string name = o.ragged ? sh.name + "-ragged" : sh.name;
         const size_t kv_elems = pool * H * 16 * D;
         const double kv_gib = 2.0 * kv_elems * 2 / double(1 << 30);
         if (kv_gib > o.max_gib) {
-          std::printf("| %s | %d | %d | skipped: KV %.1f GiB > %.0f GiB |\n", sh.name.c_str(), ctx, B, kv_gib,
+          std::printf("| %s | %d | %d | skipped: KV %.1f GiB > %.0f GiB |\n", name.c_str(), ctx, B, kv_gib,
                       o.max_gib);
           continue;
         }
         DevMem k(kv_elems * 2), v(kv_elems * 2);
         fill_kv_kernel<<<n_sm * 16, 256, 0, s>>>(k.as<uint16_t>(), v.as<uint16_t>(), kv_elems, D, 16 * D, o.bf16,
                                                  uint32_t(ctx + B));
-        std::vector<int32_t> indptr(B + 1), indices(pool), last(B, last_len);
-        for (int b = 0; b <= B; ++b) indptr[b] = b * pages;
+        std::vector<int32_t> indptr(B + 1, 0), indices(pool);
+        for (int b = 0; b < B; ++b) indptr[b + 1] = indptr[b] + pg[b];
         for (size_t i = 0; i < pool; ++i) indices[i] = int32_t(i);
         DevMem d_indptr(indptr.size() * 4), d_indices(indices.size() * 4), d_last(last.size() * 4);
         ck(cudaMemcpy(d_indptr.p, indptr.data(), indptr.size() * 4, cudaMemcpyHostToDevice), "upload");
@@ -275,7 +286,7 @@ int run_bench(const BenchOptions& o) {
         DevMem rec(size_t(H) * pool * rb);
         std::vector<int32_t> full;
         for (int b = 0; b < B; ++b)
-          for (int j = 0; j < pages - 1; ++j) full.push_back(indptr[b] + j);
+          for (int j = 0; j < pg[b] - 1; ++j) full.push_back(indptr[b] + j);
         DevMem d_full(full.size() * 4);
         ck(cudaMemcpy(d_full.p, full.data(), full.size() * 4, cudaMemcpyHostToDevice), "upload");
         SummaryBuildParams bp;
@@ -301,7 +312,7 @@ int run_bench(const BenchOptions& o) {
         SummaryBuildParams bp1 = bp;
         bp1.n_pages = B;
         std::vector<int32_t> fresh(B);
-        for (int b = 0; b < B; ++b) fresh[b] = indptr[b] + std::max(0, pages - 2);
+        for (int b = 0; b < B; ++b) fresh[b] = indptr[b] + std::max(0, pg[b] - 2);
         DevMem d_fresh(B * 4);
         ck(cudaMemcpy(d_fresh.p, fresh.data(), B * 4, cudaMemcpyHostToDevice), "upload");
         bp1.pages = d_fresh.as<int32_t>();
@@ -408,20 +419,22 @@ int run_bench(const BenchOptions& o) {
         // Bytes read (counted once): K/V of every token; summaries of every full page, the partial
         // page's keys, the selected pages' K/V; page-table entries.
         const double tok_bytes = 2.0 * D * 2;  // K + V of one token, one head
-        const double dense_bytes = double(B) * H * tokens * tok_bytes + double(B) * pages * 4;
-        const int sel_pages = std::min(budget_pages, pages);
-        const double sel_tokens = double(sel_pages - 1) * 16 + last_len;
-        const double score_bytes =
-            double(B) * H * ((pages - 1) * double(rb) + last_len * D * 2.0) + double(B) * pages * 4;
-        const double attn_bytes = double(B) * H * sel_tokens * tok_bytes + double(B) * H * sel_pages * 4.0;
+        double score_bytes = sum_pg * 4, attn_bytes = 0.0;
+        for (int b = 0; b < B; ++b) {
+          const int sel_pages = std::min(budget_pages, pg[b]);
+          const double sel_tokens = double(sel_pages - 1) * 16 + last[b];
+          score_bytes += double(H) * ((pg[b] - 1) * double(rb) + last[b] * D * 2.0);
+          attn_bytes += double(H) * (sel_tokens * tok_bytes + sel_pages * 4.0);
+        }
+        const double dense_bytes = double(H) * sum_tok * tok_bytes + sum_pg * 4;
         const double locks_bytes = score_bytes + attn_bytes;
-        const double l2_bytes = double(B) * H * pages * (G * 4.0 * 2 + 4.0 * 2);  // log-mass, keys (L2-resident)
+        const double l2_bytes = double(H) * sum_pg * (G * 4.0 * 2 + 4.0 * 2);  // log-mass, keys (L2-resident)
         const double md = median(t_dense), ml = median(t_locks), msc = median(t_score), mss = median(t_ss),
                      ma = median(t_attn), md_st = median(t_dense_st), ml_st = median(t_locks_st);
         std::printf(
             "| %s | %dK | %d | %.1f | %.0f | %.1f | %.1f | %.0f (%.0f%%) | %.1f | %.1f | %.2fx | %.1f | %.1f | "
             "%.2fx | %.2f | %.3f | %.1f | %.1f | %.1f |\n",
-            sh.name.c_str(), ctx / 1024, B, md, dense_bytes / md * 1e-3, ml, msc, score_bytes / msc * 1e-3,
+            name.c_str(), ctx / 1024, B, md, dense_bytes / md * 1e-3, ml, msc, score_bytes / msc * 1e-3,
             100.0 * score_bytes / msc * 1e-3 / read_gbs, mss - msc, ma, md / ml, dense_bytes / 1e6, locks_bytes / 1e6,
             dense_bytes / locks_bytes, build_pps * 1e-6, build_batch_us / 16.0 / ml, build_layers_us, md_st, ml_st);
         std::fflush(stdout);
@@ -429,7 +442,7 @@ int run_bench(const BenchOptions& o) {
           std::fprintf(csv,
                        "%s,%d,%d,%d,%d,%d,%.3f,%.0f,%.3f,%.0f,%.3f,%.0f,%.3f,%.3f,%.0f,%.0f,%.0f,%.3f,%.1f,%.1f,%.3f,%.3f,"
                        "%.3f\n",
-                       sh.name.c_str(), H, G, D, ctx, B, md, dense_bytes, ml, locks_bytes, msc, score_bytes, mss - msc,
+                       name.c_str(), H, G, D, ctx, B, md, dense_bytes, ml, locks_bytes, msc, score_bytes, mss - msc,
                        ma, attn_bytes, l2_bytes, build_pps, build_batch_us, read_gbs, copy_gbs, build_layers_us, md_st,
                        ml_st);
           std::fflush(csv);

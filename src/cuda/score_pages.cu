@@ -149,6 +149,72 @@ constexpr int score_smem_bytes() {
   return ring_slots<D, GT, MB>() * 8 * int(L::record_bytes(D));
 }
 
+// Balanced items (ScoreParams::balance_chunks). Sequence b gets a_b chunks per KV head, about in
+// proportion to its pages: a_b = 1 + floor(n_b * (S - B) / sum n), capped at n_chunks and at one per
+// 32 pages, where S = grid / n_head_kv; so sum a_b <= S (one item per CTA) and one long sequence
+// among short ones is spread over the whole grid instead of over its equal share of CTAs. A
+// sequence with a bad page count counts as empty here (its one item reports the fault).
+__device__ __forceinline__ int pages_for_balance(const ScoreParams& p, int b) {
+  const int n = p.kv.indptr[b + 1] - p.kv.indptr[b];
+  return n < 0 || n > p.log_mass_stride ? 0 : n;
+}
+__device__ __forceinline__ int balanced_chunks(const ScoreParams& p, int n, long long total, int spare) {
+  const long long share = total > 0 && spare > 0 ? (long long)n * spare / total : 0;
+  return int(min(min((long long)p.n_chunks, 1 + share), (long long)max(1, (n + 31) / 32)));
+}
+// Called by every lane of a warp: (sum over sequences of n_b, sum of a_b * H items) by warp sums.
+__device__ __forceinline__ void balance_totals(const ScoreParams& p, int spare_or_neg, long long* total, int* items) {
+  const int lane = threadIdx.x & 31, B = p.kv.batch, H = p.kv.n_head_kv;
+  long long t = 0;
+  for (int b = lane; b < B; b += 32) t += pages_for_balance(p, b);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(kFull, t, o);
+  int n_items = 0;
+  for (int b = lane; b < B; b += 32) n_items += balanced_chunks(p, pages_for_balance(p, b), t, spare_or_neg) * H;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) n_items += __shfl_xor_sync(kFull, n_items, o);
+  *total = t;
+  *items = n_items;
+}
+// One sequence needs no page counts: a = 1 + spare (capped; chunks past its pages are empty items), so
+// batch 1 starts without the page-table round trip (H200, 1M tokens, 4 KV heads: +1 us otherwise).
+__device__ __forceinline__ int single_sequence_chunks(const ScoreParams& p, int spare) {
+  return min(p.n_chunks, max(1, 1 + spare));
+}
+// The balanced item `item`: its sequence b, its first item `start` and its chunk count a (every lane).
+__device__ __forceinline__ void balanced_item(const ScoreParams& p, int item, long long total, int spare, int* b_out,
+                                              int* start_out, int* a_out) {
+  const int lane = threadIdx.x & 31, B = p.kv.batch, H = p.kv.n_head_kv;
+  if (B == 1) {
+    *b_out = 0;
+    *start_out = 0;
+    *a_out = single_sequence_chunks(p, spare);
+    return;
+  }
+  int base = 0;
+  *b_out = -1;
+  for (int b0 = 0; b0 < B; b0 += 32) {
+    const int b = b0 + lane;
+    const int a = b < B ? balanced_chunks(p, pages_for_balance(p, b), total, spare) : 0;
+    int incl = a * H;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(kFull, incl, o);
+      if (lane >= o) incl += v;
+    }
+    const int excl = base + incl - a * H;
+    const unsigned hit = __ballot_sync(kFull, b < B && item >= excl && item < base + incl);
+    if (hit) {
+      const int src = __ffs(int(hit)) - 1;
+      *b_out = b0 + src;
+      *start_out = __shfl_sync(kFull, excl, src);
+      *a_out = __shfl_sync(kFull, a, src);
+      return;
+    }
+    base += __shfl_sync(kFull, incl, 31);
+  }
+}
+
 template <int D, int GT, int MB>
 __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
   constexpr int KS = D / 32;    // int8 k-steps (32 dims each)
@@ -171,7 +237,10 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int H = p.kv.n_head_kv, G = p.group;
   const int n_chunks = p.n_chunks;
-  const int n_items = p.kv.batch * H * n_chunks;
+  // Balanced: chunk counts per sequence from the page table (after the PDL wait, below).
+  const int spare = int(gridDim.x) / H - p.kv.batch;
+  long long bal_total = 0;
+  int n_items = p.kv.batch * H * n_chunks;
 
   const uint32_t ring_s = uint32_t(__cvta_generic_to_shared(ring));
   const uint32_t full_s = uint32_t(__cvta_generic_to_shared(full));
@@ -197,21 +266,44 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
   float kq[ROWS];
   long cur_bh = -1;
 
+  if (p.balance_chunks) {
+    if (p.kv.batch == 1)
+      n_items = single_sequence_chunks(p, spare) * H;
+    else
+      balance_totals(p, spare, &bal_total, &n_items);
+  }
+
   // Persistent CTAs walk the work items (sequence, KV head, chunk of pages) round-robin.
   for (int item = blockIdx.x; item < n_items; item += gridDim.x) {
     __syncthreads();  // the previous item's shared-memory use is over
     // Items interleave (sequence, KV head) pairs: with a grid that is a multiple of batch * n_head_kv
     // a CTA's next item (about `grid` later) is usually the same pair, so q stays in registers.
-    const int n_bh = p.kv.batch * H;
-    const size_t bh = size_t(item % n_bh);
-    const int c = item / n_bh;
-    const int b = int(bh / H), h = int(bh % H);
+    // Balanced: sequence b's items are a_b chunks of each head, heads interleaved likewise.
+    int b, h, c, n_chunks_b = n_chunks;
+    if (p.balance_chunks) {
+      int start = 0;
+      balanced_item(p, item, bal_total, spare, &b, &start, &n_chunks_b);
+      h = (item - start) % H;
+      c = (item - start) / H;
+    } else {
+      const int n_bh = p.kv.batch * H;
+      b = (item % n_bh) / H;
+      h = (item % n_bh) % H;
+      c = item / n_bh;
+    }
+    const size_t bh = size_t(b) * H + h;
     const int pbeg = p.kv.indptr[b];
     const int n_pages = p.kv.indptr[b + 1] - pbeg;
     const int last_len = p.kv.last_page_len[b];
-    const uint32_t fault = sequence_fault(n_pages, last_len, min(p.log_mass_stride, n_chunks * p.chunk_pages));
+    const uint32_t fault = sequence_fault(
+        n_pages, last_len, p.balance_chunks ? p.log_mass_stride : min(p.log_mass_stride, n_chunks * p.chunk_pages));
     // [b][h][row][chunk]: a warp of the merges below reads one head row's chunks contiguously.
     auto chunk_stat = [&](int r) -> float2& { return reinterpret_cast<float2*>(p.chunk_stats)[(bh * 16 + r) * n_chunks + c]; };
+    // Balanced: the statistics of chunks this pass has no item for are empty (the merges read n_chunks).
+    if (p.balance_chunks && c == 0)
+      for (int e = threadIdx.x; e < (n_chunks - n_chunks_b) * G; e += kThreads)
+        reinterpret_cast<float2*>(p.chunk_stats)[(bh * 16 + e % G) * n_chunks + n_chunks_b + e / G] =
+            make_float2(-INFINITY, 0.0f);
     if (fault || n_pages == 0) {  // bad input: NaN; an empty sequence: no shares to normalise
       if (c == 0 && int(threadIdx.x) < G) p.lse_total[bh * G + threadIdx.x] = fault ? NAN : -INFINITY;
       if (c == 0 && threadIdx.x == 0 && fault) raise_status(p.status, fault);
@@ -220,7 +312,10 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
     }
     const bool partial = last_len < kPageSize;
     const int n_scored = partial ? n_pages - 1 : n_pages;  // pages scored from summaries
-    const int active = max(1, (n_scored + p.chunk_pages - 1) / p.chunk_pages);
+    // Balanced: chunks of a multiple of 32 pages, n_chunks_b of them at most.
+    const int chunk_pages =
+        p.balance_chunks ? max(32, (n_scored + 32 * n_chunks_b - 1) / (32 * n_chunks_b) * 32) : p.chunk_pages;
+    const int active = max(1, (n_scored + chunk_pages - 1) / chunk_pages);
     // Every item writes its chunk's statistics (an empty chunk: no mass), so that select_pages can
     // merge them after any pass. Deferred: lse_total is NaN until select_pages writes it, so that a
     // select without the statistics fails loudly (n_selected = -1) instead of using a stale value.
@@ -237,8 +332,8 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
     // compute is shorter than an id load under the records' traffic (ncu: the copies stalled on them).
     const uint8_t* recs = p.summaries + size_t(h) * p.n_pages_pool * REC;
     const int32_t* idx = p.kv.indices + pbeg;
-    const int oct_begin = c * (p.chunk_pages / 8);
-    const int n_oct = min(oct_begin + p.chunk_pages / 8, (n_scored + 7) / 8) - oct_begin;
+    const int oct_begin = c * (chunk_pages / 8);
+    const int n_oct = min(oct_begin + chunk_pages / 8, (n_scored + 7) / 8) - oct_begin;
     // A page id outside the pool is never read (G <= 8: not copied; G > 8: a zero record) and makes the
     // sequence's lse_total NaN. It is checked where the copy is issued, long after its load (a check at
     // the load stalled every octet on it: 1M kv4 score 70 -> 77 us).

@@ -156,6 +156,12 @@ struct ScoreParams {
   /// -inf for a sequence without pages, NaN for the others (select_pages overwrites it; without
   /// chunk_stats it gives n_selected = -1 for them instead of using a stale value).
   bool defer_lse_total = false;
+  /// Size the chunks from the page table at run time instead of chunk_pages: sequence b gets a_b
+  /// chunks per KV head, in proportion to its pages, with sum_b a_b <= grid / n_head_kv (a_b <=
+  /// n_chunks, chunks of a multiple of 32 pages), so that a batch of one long and many short
+  /// sequences keeps the whole grid busy. chunk_stats then holds n_chunks entries per (b, h, row), the
+  /// ones past a_b empty. The decode plan sets it (DecodePlan::score_balance).
+  bool balance_chunks = false;
   /// Nullable. Bad input (see the top of this file): page count above log_mass_stride, last_page_len
   /// outside 1..16, a page id outside [0, n_pages_pool) (never read) -> lse_total NaN (with
   /// defer_lse_total: once select_pages has merged the chunk statistics); that sequence's log_mass
@@ -277,6 +283,7 @@ struct DecodePlan {
   int dense_pages_per_split = 0, dense_splits = 0;
   bool sparse_group_halves = false;  // AttentionParams::group_halves of the sparse attention
   bool defer_lse_total = false;      // ScoreParams::defer_lse_total (select_pages merges lse_total)
+  bool score_balance = true;         // ScoreParams::balance_chunks (score_chunks is then its capacity)
   bool select_candidates = false;    // SelectParams::candidates (the share kernel fits in one wave); read-only
   bool pdl = true;
   size_t workspace_bytes = 0;
