@@ -376,12 +376,13 @@ struct ScoreOut {
 
 // defer: ScoreParams::defer_lse_total (lse_total left to select_pages; chunk_stats returned).
 // balance: chunks sized from the page table at run time (ScoreParams::balance_chunks) with a
-// capacity of one chunk per 32 pages of the longest sequence; chunk_pages is then unused.
+// capacity of one chunk per 32 pages of the longest sequence plus 5 (so that statistics past a
+// sequence's chunks, and with one sequence empty items, occur); chunk_pages is then unused.
 ScoreOut run_score(const World& w, const std::vector<uint8_t>& records, const std::vector<float>& q, int chunk_pages,
                    int grid = 0, bool defer = false, bool balance = false) {
   ScoreOut out;
   out.stride = (w.max_pages + 7) / 8 * 8;
-  const int n_chunks = std::max(1, (w.max_pages + (balance ? 32 : chunk_pages) - 1) / (balance ? 32 : chunk_pages));
+  const int n_chunks = balance ? (w.max_pages + 31) / 32 + 5 : std::max(1, (w.max_pages + chunk_pages - 1) / chunk_pages);
   out.n_chunks = n_chunks;
   Dev<uint8_t> drec(records);
   Dev<float> dq(q), dlm(size_t(w.B()) * w.H * w.G * out.stride), dlse(size_t(w.B()) * w.H * w.G),
@@ -964,8 +965,9 @@ TEST(CudaScore, MatchesCpuStoreAllGroupSizes) {
       const auto ref = cpu_log_mass(w, s.store, q, g.stride);
       double worst = check_scores(w, g, ref, "score");
       // Balanced chunks: the ragged lengths above spread over the grid (a full device; 3 CTAs: one
-      // chunk per sequence and head, many items per CTA; 40: some sequences get several chunks).
-      for (int grid : {0, 3, 40}) {
+      // chunk per sequence and head, several items per CTA; 13 and 23: a few spare CTAs shared in
+      // proportion to the sequences' pages).
+      for (int grid : {0, 3, 13, 23}) {
         const ScoreOut gb = run_score(w, s.records, q, 32, grid, false, /*balance=*/true);
         worst = std::max(worst, check_scores(w, gb, ref, "score, balanced chunks"));
       }
@@ -1126,7 +1128,12 @@ TEST(CudaSelect, BudgetCoveringTheSequenceSelectsEveryPage) {
 // deferred pass fails loudly (n_selected = -1), not on a stale lse_total.
 TEST(CudaSelect, MergesTheScorePassDeferredStatistics) {
   SKIP_WITHOUT_CUDA();
-  const std::vector<std::vector<int>> tables = {{16 * 700 + 5, 0, 16 * 90, 7}, {16 * 4500 + 3, 16 * 40}};
+  // The last two: one sequence alone (balanced: chunks without a page-table read, many of them empty
+  // items), and 40 short sequences (balanced: more than one warp's worth of sequences to scan).
+  std::vector<int> many;
+  for (int i = 0; i < 40; ++i) many.push_back(16 * (3 + (i * 7) % 23) + i % 16);
+  const std::vector<std::vector<int>> tables = {{16 * 700 + 5, 0, 16 * 90, 7}, {16 * 4500 + 3, 16 * 40}, {16 * 60 + 9},
+                                                many};
   for (const auto& lens : tables)
     for (int G : {4, 12, 16}) {
       World w(128, 2, G, lens, lc::KvType::kF16, 1300 + G, false);
@@ -1243,9 +1250,10 @@ void run_step_test(World& w, int budget_pages, const char* what, bool expect_def
   ck(lc::summary_build(w.build_params(dpages, int(pages.size()), drec.p), nullptr), "summary_build");
 
   const lc::DecodePlan plan = lc::make_decode_plan(w.decode_shape(budget_pages));
-  EXPECT_EQ(plan.defer_lse_total, plan.score_chunks >= 32);
+  EXPECT_EQ(plan.defer_lse_total, plan.score_equal_chunks >= 32);
+  EXPECT_GE(plan.score_chunks, plan.score_equal_chunks);  // balanced chunks: capacity
   if (expect_defer) {
-    ASSERT_TRUE(plan.defer_lse_total) << what << ": " << plan.score_chunks << " score chunks";
+    ASSERT_TRUE(plan.defer_lse_total) << what << ": " << plan.score_equal_chunks << " score chunks";
   }
   Dev<uint8_t> ws(plan.workspace_bytes);
   ck(lc::init_decode_workspace(plan, ws.p, nullptr), "init workspace");
@@ -1371,7 +1379,7 @@ TEST(CudaDecodeStep, BadPageTablesGiveNaNAndStatusOthersUnaffected) {
     }
 
     const lc::DecodePlan plan = lc::make_decode_plan(w.decode_shape(8));
-    ASSERT_EQ(plan.defer_lse_total, plan.score_chunks >= 32) << plan.score_chunks << " score chunks";
+    ASSERT_EQ(plan.defer_lse_total, plan.score_equal_chunks >= 32) << plan.score_equal_chunks << " score chunks";
     Dev<uint8_t> ws(plan.workspace_bytes);
     ck(lc::init_decode_workspace(plan, ws.p, nullptr), "init workspace");
     Dev<float> dq(q), d_o(q.size()), dl(size_t(B) * w.H * w.G);

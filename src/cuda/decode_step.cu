@@ -115,7 +115,8 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device) {
   const long bh = long(sh.batch) * sh.n_head_kv;
   const int max_splits = attention_max_splits();
 
-  // Score pass: persistent CTAs over work items of a multiple of 32 pages (4 warps x 8 pages), sized
+  // Score pass: persistent CTAs over work items of a multiple of 32 pages (4 warps x 8 pages). With
+  // equal lengths (and balanced chunks, below, for any lengths) sized
   // so that every CTA gets at most one item while batch * n_head_kv fits in one wave (beyond that,
   // one item per (sequence, KV head), walked round-robin): a CTA's second item would start with an
   // empty pipeline and wait a full (loaded) memory latency, which costs far more than an idle CTA
@@ -129,6 +130,7 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device) {
   p.score_chunk_pages = std::max(32, int(align_up(size_t(div_up(long(sh.max_pages), chunks_per_bh)), 32)));
   p.score_chunks = div_up(sh.max_pages, p.score_chunk_pages);
   const int equal_chunks = p.score_chunks;
+  p.score_equal_chunks = equal_chunks;
   // Balanced chunks (ScoreParams::balance_chunks): with equal lengths the same chunks as above; a
   // sequence longer than the others may take up to a grid's worth per KV head, so the statistics
   // hold that many. H200, 1M tokens, 4 KV heads, a ragged batch of 8 (1M, 512K, ... 8K tokens):

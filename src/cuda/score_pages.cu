@@ -151,9 +151,10 @@ constexpr int score_smem_bytes() {
 
 // Balanced items (ScoreParams::balance_chunks). Sequence b gets a_b chunks per KV head, about in
 // proportion to its pages: a_b = 1 + floor(n_b * (S - B) / sum n), capped at n_chunks and at one per
-// 32 pages, where S = grid / n_head_kv; so sum a_b <= S (one item per CTA) and one long sequence
-// among short ones is spread over the whole grid instead of over its equal share of CTAs. A
-// sequence with a bad page count counts as empty here (its one item reports the fault).
+// 32 pages, where S = grid / n_head_kv; so sum a_b <= S (one item per CTA; S < B: a_b = 1) and one
+// long sequence among short ones is spread over the whole grid instead of over its equal share of
+// CTAs. With B > 1 a sequence with a bad page count counts as empty here (its one item reports the
+// fault); one sequence alone takes min(n_chunks, S) chunks, a bad one reporting from each.
 __device__ __forceinline__ int pages_for_balance(const ScoreParams& p, int b) {
   const int n = p.kv.indptr[b + 1] - p.kv.indptr[b];
   return n < 0 || n > p.log_mass_stride ? 0 : n;

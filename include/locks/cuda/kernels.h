@@ -126,7 +126,8 @@ cudaError_t summary_build(const SummaryBuildParams& p, cudaStream_t stream);
 /// lse_total[b][h][g] = logsumexp_j log_mass[b][h][g][j] (-inf for a sequence without pages), or,
 /// with defer_lse_total, leaves it to select_pages.
 /// Launch contract: `grid` persistent CTAs of 128 threads walk the work items (b, h, chunk c)
-/// round-robin; an item scores positions [c * chunk_pages, (c + 1) * chunk_pages), each warp 8 pages
+/// round-robin; an item scores positions [c * chunk_pages, (c + 1) * chunk_pages) (balance_chunks: its
+/// sequence's run-time chunk size), each warp 8 pages
 /// (an octet) at a time (int8 tensor cores: Q x basis, Q x centroid; f16: W x coefficients). G <= 8:
 /// records arrive by one bulk copy (TMA) each into a ring of octet slots shared by the CTA's warps
 /// (10 slots, 66.6 KB of shared memory at d 128, 3 CTAs/SM); G > 8: by cp.async into two stages per
@@ -157,10 +158,12 @@ struct ScoreParams {
   /// chunk_stats it gives n_selected = -1 for them instead of using a stale value).
   bool defer_lse_total = false;
   /// Size the chunks from the page table at run time instead of chunk_pages: sequence b gets a_b
-  /// chunks per KV head, in proportion to its pages, with sum_b a_b <= grid / n_head_kv (a_b <=
-  /// n_chunks, chunks of a multiple of 32 pages), so that a batch of one long and many short
-  /// sequences keeps the whole grid busy. chunk_stats then holds n_chunks entries per (b, h, row), the
-  /// ones past a_b empty. The decode plan sets it (DecodePlan::score_balance).
+  /// chunks per KV head, a_b = 1 + floor(n_b * (S - batch) / sum n) with S = grid / n_head_kv
+  /// (so sum_b a_b <= S while S >= batch; else a_b = 1 and CTAs take several items), capped at
+  /// n_chunks and at one chunk per 32 pages; one sequence alone gets min(n_chunks, S) chunks without a
+  /// page-table read. Chunks are a multiple of 32 pages. A batch of one long and many short sequences
+  /// thus keeps the whole grid busy. chunk_stats holds n_chunks entries per (b, h, row); those past
+  /// a_b are written empty. The decode plan sets it (DecodePlan::score_balance).
   bool balance_chunks = false;
   /// Nullable. Bad input (see the top of this file): page count above log_mass_stride, last_page_len
   /// outside 1..16, a page id outside [0, n_pages_pool) (never read) -> lse_total NaN (with
@@ -284,6 +287,7 @@ struct DecodePlan {
   bool sparse_group_halves = false;  // AttentionParams::group_halves of the sparse attention
   bool defer_lse_total = false;      // ScoreParams::defer_lse_total (select_pages merges lse_total)
   bool score_balance = true;         // ScoreParams::balance_chunks (score_chunks is then its capacity)
+  int score_equal_chunks = 0;        // chunks per (sequence, KV head) when all have max_pages pages
   bool select_candidates = false;    // SelectParams::candidates (the share kernel fits in one wave); read-only
   bool pdl = true;
   size_t workspace_bytes = 0;
