@@ -140,20 +140,27 @@ struct Flusher {
   }
 };
 
-// Median microseconds of `fn` (enqueue on stream s), L2 flushed before each run.
+// Microseconds of one run of `fn` (enqueue on stream s), after the wait and L2 flush.
+template <class Fn>
+double time_once(Flusher& fl, cudaStream_t s, Timer& t, Fn fn) {
+  fl.run(s);
+  ck(cudaEventRecord(t.a, s), "record");
+  fn();
+  ck(cudaEventRecord(t.b, s), "record");
+  ck(cudaEventSynchronize(t.b), "sync");
+  float ms = 0.0f;
+  ck(cudaEventElapsedTime(&ms, t.a, t.b), "elapsed");
+  return 1000.0 * ms;
+}
+
+// Median microseconds of `fn` over `runs` runs after `warmup`.
 template <class Fn>
 double time_us(Flusher& fl, cudaStream_t s, int warmup, int runs, Fn fn) {
   Timer t;
   std::vector<double> v;
   for (int r = -warmup; r < runs; ++r) {
-    fl.run(s);
-    ck(cudaEventRecord(t.a, s), "record");
-    fn();
-    ck(cudaEventRecord(t.b, s), "record");
-    ck(cudaEventSynchronize(t.b), "sync");
-    float ms = 0.0f;
-    ck(cudaEventElapsedTime(&ms, t.a, t.b), "elapsed");
-    if (r >= 0) v.push_back(1000.0 * ms);
+    const double us = time_once(fl, s, t, fn);
+    if (r >= 0) v.push_back(us);
   }
   return median(v);
 }
@@ -384,28 +391,20 @@ int run_bench(const BenchOptions& o) {
 
         std::vector<double> t_dense, t_locks, t_score, t_ss, t_attn, t_dense_st, t_locks_st;
         Timer t;
-        // g: a graph launch; nullptr: the step's kernels launched into the stream (with_locks: LOCKS).
-        auto timed = [&](cudaGraphExec_t g, std::vector<double>& acc, bool keep, bool with_locks = false) {
-          fl.run(s);
-          ck(cudaEventRecord(t.a, s), "record");
-          if (g)
-            ck(cudaGraphLaunch(g, s), "graph");
-          else
-            ck(with_locks ? locks_decode_step(plan, sp, s) : dense_decode_step(plan, sp, s), "step");
-          ck(cudaEventRecord(t.b, s), "record");
-          ck(cudaEventSynchronize(t.b), "run");
-          float ms = 0.0f;
-          ck(cudaEventElapsedTime(&ms, t.a, t.b), "elapsed");
-          if (keep) acc.push_back(1000.0 * ms);
+        // The paths alternate within each round: graph launches, then the steps launched into the stream.
+        auto timed = [&](auto enqueue, std::vector<double>& acc, bool keep) {
+          const double us = time_once(fl, s, t, enqueue);
+          if (keep) acc.push_back(us);
         };
+        auto graph = [&](cudaGraphExec_t g) { return [&s, g] { ck(cudaGraphLaunch(g, s), "graph"); }; };
         for (int r = -o.warmup; r < o.runs; ++r) {
-          timed(g_dense, t_dense, r >= 0);
-          timed(g_locks, t_locks, r >= 0);
-          timed(g_score, t_score, r >= 0);
-          timed(g_ss, t_ss, r >= 0);
-          timed(g_attn, t_attn, r >= 0);
-          timed(nullptr, t_dense_st, r >= 0, false);
-          timed(nullptr, t_locks_st, r >= 0, true);
+          timed(graph(g_dense), t_dense, r >= 0);
+          timed(graph(g_locks), t_locks, r >= 0);
+          timed(graph(g_score), t_score, r >= 0);
+          timed(graph(g_ss), t_ss, r >= 0);
+          timed(graph(g_attn), t_attn, r >= 0);
+          timed([&] { ck(dense_decode_step(plan, sp, s), "dense step"); }, t_dense_st, r >= 0);
+          timed([&] { ck(locks_decode_step(plan, sp, s), "locks step"); }, t_locks_st, r >= 0);
         }
         ck(cudaGetLastError(), "timed runs");
         for (cudaGraphExec_t g : {g_locks, g_dense, g_score, g_ss, g_attn}) cudaGraphExecDestroy(g);

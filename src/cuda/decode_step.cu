@@ -129,14 +129,14 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device) {
   const long chunks_per_bh = std::max<long>(1, score_resident / bh);
   p.score_chunk_pages = std::max(32, int(align_up(size_t(div_up(long(sh.max_pages), chunks_per_bh)), 32)));
   p.score_chunks = div_up(sh.max_pages, p.score_chunk_pages);
-  const int equal_chunks = p.score_chunks;
-  p.score_equal_chunks = equal_chunks;
+  p.score_equal_chunks = p.score_chunks;
   // Balanced chunks (ScoreParams::balance_chunks): with equal lengths the same chunks as above; a
   // sequence longer than the others may take up to a grid's worth per KV head, so the statistics
   // hold that many. H200, 1M tokens, 4 KV heads, a ragged batch of 8 (1M, 512K, ... 8K tokens):
   // see docs/RESULTS_CUDA.md (eleventh session).
   if (p.score_balance)
-    p.score_chunks = std::max(equal_chunks, std::min(score_resident / sh.n_head_kv, div_up(sh.max_pages, 32)));
+    p.score_chunks =
+        std::max(p.score_equal_chunks, std::min(score_resident / sh.n_head_kv, div_up(sh.max_pages, 32)));
   p.score_grid = int(std::min<long>(score_resident, bh * p.score_chunks));
   p.log_mass_stride = int(align_up(size_t(sh.max_pages), 8));
   // Many chunks per (sequence, KV head), i.e. small batches: the share kernel merges lse_total from
@@ -144,7 +144,7 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device) {
   // the device idles (H200, batch 1: step 48.5 -> 46.0 us at 128K tokens, 2 KV heads; 89.1 -> 86.9
   // at 1M; 43.5 -> 42.0 at 128K, 4 KV heads). With few chunks (batch 8, 12 chunks) that merge is
   // short and the share kernel's own costs more (1M tokens, 4 KV heads: 524 -> 530 us).
-  p.defer_lse_total = equal_chunks >= 32;
+  p.defer_lse_total = p.score_equal_chunks >= 32;
   // Select from the share kernel's per-CTA candidate lists while that kernel fits in one wave: then
   // its extra pass (a local threshold, the lists) runs beside the others, and select reads ~1/8 of
   // the keys (H200, two runs each: steps 1M tokens, 4 KV heads, batch 2 160.6-161.4 -> 158.1-158.3 us;

@@ -163,9 +163,19 @@ __device__ __forceinline__ int balanced_chunks(const ScoreParams& p, int n, long
   const long long share = total > 0 && spare > 0 ? (long long)n * spare / total : 0;
   return int(min(min((long long)p.n_chunks, 1 + share), (long long)max(1, (n + 31) / 32)));
 }
+// One sequence needs no page counts: a = 1 + spare (capped; chunks past its pages are empty items), so
+// batch 1 starts without the page-table round trip (H200, 1M tokens, 4 KV heads: +1 us otherwise).
+__device__ __forceinline__ int single_sequence_chunks(const ScoreParams& p, int spare) {
+  return min(p.n_chunks, max(1, 1 + spare));
+}
 // Called by every lane of a warp: (sum over sequences of n_b, sum of a_b * H items) by warp sums.
 __device__ __forceinline__ void balance_totals(const ScoreParams& p, int spare_or_neg, long long* total, int* items) {
   const int lane = threadIdx.x & 31, B = p.kv.batch, H = p.kv.n_head_kv;
+  if (B == 1) {
+    *total = 0;  // unused
+    *items = single_sequence_chunks(p, spare_or_neg) * H;
+    return;
+  }
   long long t = 0;
   for (int b = lane; b < B; b += 32) t += pages_for_balance(p, b);
 #pragma unroll
@@ -176,11 +186,6 @@ __device__ __forceinline__ void balance_totals(const ScoreParams& p, int spare_o
   for (int o = 16; o > 0; o >>= 1) n_items += __shfl_xor_sync(kFull, n_items, o);
   *total = t;
   *items = n_items;
-}
-// One sequence needs no page counts: a = 1 + spare (capped; chunks past its pages are empty items), so
-// batch 1 starts without the page-table round trip (H200, 1M tokens, 4 KV heads: +1 us otherwise).
-__device__ __forceinline__ int single_sequence_chunks(const ScoreParams& p, int spare) {
-  return min(p.n_chunks, max(1, 1 + spare));
 }
 // The balanced item `item`: its sequence b, its first item `start` and its chunk count a (every lane).
 __device__ __forceinline__ void balanced_item(const ScoreParams& p, int item, long long total, int spare, int* b_out,
@@ -267,12 +272,7 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
   float kq[ROWS];
   long cur_bh = -1;
 
-  if (p.balance_chunks) {
-    if (p.kv.batch == 1)
-      n_items = single_sequence_chunks(p, spare) * H;
-    else
-      balance_totals(p, spare, &bal_total, &n_items);
-  }
+  if (p.balance_chunks) balance_totals(p, spare, &bal_total, &n_items);
 
   // Persistent CTAs walk the work items (sequence, KV head, chunk of pages) round-robin.
   for (int item = blockIdx.x; item < n_items; item += gridDim.x) {

@@ -59,13 +59,17 @@ LlamaModel LlamaModel::from_gguf(const GgufFile& f) {
   // Optional keys: llama.cpp's defaults, noted (a silently different rope base or tokenizer changes
   // the output). head_count_kv and rope.dimension_count are left out of the notes: their absence is
   // how a multi-head model with full rotary dimensions is written.
-  for (auto [key, what] : {std::pair{"llama.rope.freq_base", "10000"},
-                           std::pair{"llama.attention.layer_norm_rms_epsilon", "1e-5"},
-                           std::pair{"tokenizer.ggml.scores", "every piece scored 0 (merges by piece order only)"},
-                           std::pair{"tokenizer.ggml.token_type", "every piece a normal token"}})
+  auto note_missing = [&](const char* key, const std::string& what) {
     if (!f.has_key(key)) m.defaults_used.push_back(fmt::format("{} is missing: {} (llama.cpp's default)", key, what));
-  hp.rope_freq_base = f.get_f32_or("llama.rope.freq_base", 10000.0f);
-  hp.rms_eps = f.get_f32_or("llama.attention.layer_norm_rms_epsilon", 1e-5f);
+  };
+  auto f32_or_noted = [&](const char* key, float fallback) {
+    note_missing(key, fmt::format("{}", fallback));
+    return f.get_f32_or(key, fallback);
+  };
+  hp.rope_freq_base = f32_or_noted("llama.rope.freq_base", 10000.0f);
+  hp.rms_eps = f32_or_noted("llama.attention.layer_norm_rms_epsilon", 1e-5f);
+  note_missing("tokenizer.ggml.scores", "every piece scored 0 (merges by piece order only)");
+  note_missing("tokenizer.ggml.token_type", "every piece a normal token");
   if (hp.n_embd % hp.n_head != 0) throw bad(fmt::format("n_embd {} not divisible by n_head {}", hp.n_embd, hp.n_head));
   if (hp.n_head % hp.n_head_kv != 0)
     throw bad(fmt::format("n_head {} not divisible by n_head_kv {}", hp.n_head, hp.n_head_kv));
