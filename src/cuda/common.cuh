@@ -119,8 +119,66 @@ __device__ __forceinline__ uint32_t sequence_fault(int n_pages, int last_len, in
   return 0u;
 }
 // ---------------------------------------------------------------------------------------------
+// A grid's slots shared among the sequences of a batch in proportion to their pages (the score
+// pass's balanced chunks, dense attention's balanced splits), so that one long sequence among short
+// ones runs on most of the grid instead of its equal share. Sequence b takes width(b) consecutive
+// slots, in order of b. Warp-collective: every lane calls and gets the result; one iteration per 32
+// sequences.
+
+// The sum of f(b) over b < B.
+template <class T, class F>
+__device__ __forceinline__ T batch_sum(int B, F f) {
+  T t = 0;
+  for (int b = int(threadIdx.x & 31); b < B; b += 32) t += f(b);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(kFull, t, o);
+  return t;
+}
+
+// A sequence's slot count: 1 + floor(n * spare / total), at most cap. With S slots for B sequences
+// and spare = S - B >= 0, the counts of a batch sum to at most S (total = the batch's pages).
+__device__ __forceinline__ int proportional_slots(int n, long long total, int spare, int cap) {
+  const long long share = total > 0 && spare > 0 ? (long long)n * spare / total : 0;
+  return int(min((long long)cap, 1 + share));
+}
+
+// The sequence whose range holds `slot`: false when the slot lies past every range, else its
+// sequence, the range's first slot and its width.
+template <class Width>
+__device__ __forceinline__ bool find_slot_range(int slot, int B, Width width, int* b_out, int* start_out,
+                                                int* width_out) {
+  const int lane = threadIdx.x & 31;
+  int base = 0;
+  for (int b0 = 0; b0 < B; b0 += 32) {
+    const int b = b0 + lane;
+    const int w = b < B ? width(b) : 0;
+    int incl = w;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(kFull, incl, o);
+      if (lane >= o) incl += v;
+    }
+    const int excl = base + incl - w;
+    const unsigned hit = __ballot_sync(kFull, b < B && slot >= excl && slot < base + incl);
+    if (hit) {
+      const int src = __ffs(int(hit)) - 1;
+      *b_out = b0 + src;
+      *start_out = __shfl_sync(kFull, excl, src);
+      *width_out = __shfl_sync(kFull, w, src);
+      return true;
+    }
+    base += __shfl_sync(kFull, incl, 31);
+  }
+  return false;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Programmatic dependent launch: wait for the previous kernel in the stream before reading its
-// results (no-op when the kernel was launched without the PDL attribute).
+// results (no-op when the kernel was launched without the PDL attribute). Data that a previous
+// kernel may write (the selection, the page table, K of fresh pages) is never read through the
+// non-coherent path (__ldg): such loads count as reads of memory that no one writes while the kernel
+// runs, so the compiler may hoist them above the wait (it did, with the selection, once the sparse
+// attention instance knew its list kind at compile time). __ldcg reads at the L2 instead.
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");

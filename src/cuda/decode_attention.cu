@@ -41,9 +41,8 @@ __host__ __device__ constexpr int ctas_per_split(int group) {
 // The length of a sequence's page list, or -1 for bad input (kernels.h; its o and lse become NaN):
 // the page count or last page length is out of range (*fault names it), or select_pages saw bad
 // input (n_selected < 0; it is already in the status word).
-__device__ __forceinline__ int list_length(const AttentionParams& p, size_t bh, int n_pages, int last_len,
+__device__ __forceinline__ int list_length(const AttentionParams& p, bool sparse, size_t bh, int n_pages, int last_len,
                                            uint32_t* fault) {
-  const bool sparse = p.selected != nullptr;
   *fault = sequence_fault(n_pages, last_len, sparse ? INT_MAX : p.n_splits * p.pages_per_split);
   if (*fault) return -1;
   if (n_pages == 0 || !sparse) return n_pages;
@@ -51,39 +50,113 @@ __device__ __forceinline__ int list_length(const AttentionParams& p, size_t bh, 
   return n > p.selected_stride ? -1 : n;
 }
 
+// Balanced dense splits (AttentionParams::balance_splits): sequence b's split count a_b and where its
+// splits' partials live. Warp-collective (every lane of every warp calls it; B loads of the page
+// table). A sequence with a bad page count counts as empty: its one CTA reports the fault.
+struct SplitRange {
+  int b = 0;      // the sequence
+  int start = 0;  // its first slot among the S = n_splits * batch of its KV head
+  int a = 1;      // its splits
+};
+__device__ __forceinline__ int pages_for_balance(const AttentionParams& p, int b) {
+  const int n = p.kv.indptr[b + 1] - p.kv.indptr[b];
+  return n < 0 || n > p.n_splits * p.pages_per_split ? 0 : n;
+}
+__device__ __forceinline__ long long balance_total(const AttentionParams& p) {
+  return batch_sum<long long>(p.kv.batch, [&](int b) { return (long long)pages_for_balance(p, b); });
+}
+__device__ __forceinline__ int balanced_splits(const AttentionParams& p, int b, long long total) {
+  const int n = pages_for_balance(p, b);
+  return proportional_slots(n, total, p.n_splits * p.kv.batch - p.kv.batch, min(kMaxSplits, max(1, (n + 3) / 4)));
+}
+// The range of the CTA in slot `slot` (false: an idle slot past every range).
+__device__ __forceinline__ bool split_range_of_slot(const AttentionParams& p, int slot, SplitRange* r) {
+  // The CTA reads its sequence's last page length next: into L1 with the page counts' round trip.
+  for (int b = int(threadIdx.x & 31); b < p.kv.batch; b += 32)
+    asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p.kv.last_page_len + b));
+  const long long total = balance_total(p);
+  return find_slot_range(slot, p.kv.batch, [&](int b) { return balanced_splits(p, b, total); }, &r->b, &r->start,
+                         &r->a);
+}
+// Sequence b's range.
+__device__ __forceinline__ SplitRange split_range_of_sequence(const AttentionParams& p, int b) {
+  const long long total = balance_total(p);
+  SplitRange r;
+  r.b = b;
+  r.start = batch_sum<int>(p.kv.batch, [&](int bb) { return bb < b ? balanced_splits(p, bb, total) : 0; });
+  r.a = balanced_splits(p, b, total);
+  return r;
+}
+
 __device__ __forceinline__ uint32_t u4w(const uint4& v, int w) {
   return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
 }
 
-template <int D, int GT, typename T>
+// Which pages a launch attends: an instance per kind, so that dense instances carry no sparse-list
+// code and the unbalanced ones keep their split and sequence as launch indices (G = 16 runs at its
+// 255-register limit: one instance for balanced and plain splits ran its page loop ~7% slower on the
+// H200).
+enum ListKind : int {
+  kSelectedPages = 0,  // sparse: the selected list
+  kAllPages = 1,       // dense, n_splits per sequence
+  kAllBalanced = 2,    // dense, AttentionParams::balance_splits with batch > 1
+};
+__host__ __device__ constexpr int list_kind(bool sparse, bool balanced) {
+  return sparse ? kSelectedPages : balanced ? kAllBalanced : kAllPages;
+}
+
+template <int D, int GT, typename T, int LIST>
 __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) {
+  constexpr bool BAL = LIST == kAllBalanced;
   constexpr int KS = D / 16;   // k-steps of Q K^T
   constexpr int NKC = D / 32;  // K chunks per token row per lane
   constexpr int NVC = D / 64;  // V chunks per token row per lane
   constexpr int NT = D / 8;    // n-tiles of P V
   constexpr int ROWS = GT / 8;
+  static_assert(kWarps * GT * D >= kMaxSplits * 16, "the last CTA stages the merge weights in warp_o");
 
   __shared__ __align__(16) float q_s[GT][D];
   __shared__ __align__(16) float warp_o[kWarps][GT][D];  // reused for merge weights
   __shared__ float warp_m[kWarps][GT], warp_l[kWarps][GT];
   __shared__ int last_flag;
+  // BAL: this CTA's (sequence, KV head), split and first partial slot, for after the page loop: from
+  // shared memory there, so that the loop does not hold them in registers.
+  __shared__ size_t cta_bh, cta_part0;
+  __shared__ int cta_s;
 
   // Group halves (GT = 8, G > 8): CTAs 2s and 2s + 1 run heads [0, 8) and [8, G) of split s.
   const int nh = ctas_per_split<GT>(p.group);
-  const int s = blockIdx.x / nh, half = blockIdx.x % nh, h = blockIdx.y, b = blockIdx.z;
+  int s = blockIdx.x / nh, b = blockIdx.z;
+  const int half = blockIdx.x % nh, h = blockIdx.y;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int H = p.kv.n_head_kv, G = p.group;
   const int row0 = 8 * half, GL = nh == 1 ? G : min(8, G - row0);  // this CTA's head rows
-  const size_t bh = size_t(b) * H + h;
+  constexpr bool sparse = LIST == kSelectedPages;
 
   const bool early = p.pdl_early_reads;
   if (!early) pdl_wait();
   pdl_launch_dependents();
+  // Balanced: this CTA's slot among the KV head's n_splits * batch picks its sequence and split.
+  int pps = p.pages_per_split;
+  size_t part0 = (size_t(b) * H + h) * p.n_splits;  // the sequence's first partial slot
+  if constexpr (BAL) {
+    SplitRange r;
+    if (!split_range_of_slot(p, int(blockIdx.z) * p.n_splits + s, &r)) return;
+    b = r.b;
+    s -= r.start - int(blockIdx.z) * p.n_splits;
+    part0 = size_t(h) * p.n_splits * p.kv.batch + r.start;
+    pps = max(1, (pages_for_balance(p, b) + r.a - 1) / r.a);
+  }
+  const size_t bh = size_t(b) * H + h;
   const int pbeg = p.kv.indptr[b];
   const int n_pages = p.kv.indptr[b + 1] - pbeg;
   const int last_len = p.kv.last_page_len[b];
-  const bool sparse = p.selected != nullptr;
   float* o_out = p.o + bh * G * D;
+  if (BAL && threadIdx.x == 0) {  // read after the page loop's barriers
+    cta_bh = bh;
+    cta_part0 = part0;
+    cta_s = s;
+  }
 
   // q * scale * log2(e) -> A fragments (hi/lo); with early reads this overlaps the previous kernel.
   const float qmul = p.scale * kLog2e;
@@ -123,18 +196,17 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
   // Sparse: its first 32 entries are read together with the list length (one round trip instead of
   // two; they are in bounds of the list buffer and only used where the list reaches them).
   const int32_t* sel = sparse ? p.selected + bh * p.selected_stride : nullptr;
-  const int pps = p.pages_per_split;
   const int li0 = s * pps + warp;
   int32_t j_pre = 0;
   if (sparse) {
     const int li = li0 + 4 * lane;
-    if (li < min((s + 1) * pps, p.selected_stride)) j_pre = __ldg(sel + li);
+    if (li < min((s + 1) * pps, p.selected_stride)) j_pre = __ldcg(sel + li);
   }
   uint32_t fault = 0;
-  const int n_list = list_length(p, bh, n_pages, last_len, &fault);
+  const int n_list = list_length(p, sparse, bh, n_pages, last_len, &fault);
   const int active = (n_list + pps - 1) / pps;
   if (n_list <= 0) {  // empty sequence or list: o = 0, lse = -inf; bad input: NaN
-    if (blockIdx.x == 0) {
+    if (s == 0 && half == 0) {
       const float o_val = n_list < 0 ? NAN : 0.0f, lse_val = n_list < 0 ? NAN : -INFINITY;
       for (int e = threadIdx.x; e < G * D; e += kThreads) o_out[e] = o_val;
       if (p.lse && threadIdx.x < G) p.lse[bh * G + threadIdx.x] = lse_val;
@@ -167,9 +239,9 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
   auto ids_of = [&](int r) -> int32_t {  // lane's entry of chunk r
     const int m = 32 * r + lane;
     if (m >= n_mine) return 0;
-    const int j = !sparse ? li0 + kWarps * m : r == 0 ? j_pre : __ldg(sel + li0 + kWarps * m);
+    const int j = !sparse ? li0 + kWarps * m : r == 0 ? j_pre : __ldcg(sel + li0 + kWarps * m);
     if (j < 0 || j >= n_pages) return kBadEntry;
-    const int32_t id = __ldg(idx + j);
+    const int32_t id = __ldcg(idx + j);
     if (!page_id_ok(id, p.kv.n_pages_pool)) return kBadEntry;
     return id | (j == n_pages - 1 ? INT32_MIN : 0);
   };
@@ -346,8 +418,11 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
 
   // Combine the warps: this split's normalised output and log2-sum-exp per head.
   const bool single = active == 1;
-  float* po = p.partial_o + ((bh * p.n_splits + s) * 16 + row0) * D;
-  float* pl = p.partial_lse + (bh * p.n_splits + s) * 16 + row0;
+  const size_t bh_c = BAL ? cta_bh : bh, part0_c = BAL ? cta_part0 : part0;
+  const int s_c = BAL ? cta_s : s;
+  float* o_fin = p.o + bh_c * G * D;
+  float* po = p.partial_o + ((part0_c + s_c) * 16 + row0) * D;
+  float* pl = p.partial_lse + (part0_c + s_c) * 16 + row0;
   for (int e = threadIdx.x; e < GL * D; e += kThreads) {
     const int row = e / D, x = e % D;
     float M = -INFINITY;
@@ -364,20 +439,20 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
     const float ov = lsum != 0.0f ? osum / lsum : 0.0f;
     const float l2 = lsum != 0.0f ? M + log2f(lsum) : -INFINITY;
     if (single) {
-      o_out[(row0 + row) * D + x] = ov;
-      if (p.lse && x == 0) p.lse[bh * G + row0 + row] = l2 * kLn2;
+      o_fin[(row0 + row) * D + x] = ov;
+      if (p.lse && x == 0) p.lse[bh_c * G + row0 + row] = l2 * kLn2;
     } else {
       po[row * D + x] = ov;
       if (x == 0) pl[row] = l2;
     }
   }
   if (single || p.n_splits > p.merge_kernel_above) return;  // many splits: merge_kernel does it
-  if (!last_cta_done(p.counters + bh, uint32_t(active * nh), &last_flag)) return;
+  if (!last_cta_done(p.counters + bh_c, uint32_t(active * nh), &last_flag)) return;
 
   // Last CTA: log-sum-exp merge of the splits. Weights staged in shared memory.
   float* wts = &warp_o[0][0][0];  // [active][16]
-  const float* pl0 = p.partial_lse + bh * p.n_splits * 16;
-  const float* po0 = p.partial_o + bh * p.n_splits * 16 * D;
+  const float* pl0 = p.partial_lse + part0_c * 16;
+  const float* po0 = p.partial_o + part0_c * 16 * D;
   for (int e = threadIdx.x; e < active * 16; e += kThreads) wts[e] = (e % 16) < G ? __ldcg(pl0 + e) : -INFINITY;
   __syncthreads();
   if (threadIdx.x < G) {
@@ -392,7 +467,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
       lsum += wt;
     }
     warp_m[0][row] = lsum != 0.0f ? 1.0f / lsum : 0.0f;
-    if (p.lse) p.lse[bh * G + row] = lsum != 0.0f ? (M + log2f(lsum)) * kLn2 : -INFINITY;
+    if (p.lse) p.lse[bh_c * G + row] = lsum != 0.0f ? (M + log2f(lsum)) * kLn2 : -INFINITY;
   }
   __syncthreads();
   // Each thread: float4 elements (row, x4); all splits' loads of an element issued 16 at a time.
@@ -416,7 +491,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
       }
     }
     const float inv = warp_m[0][row];
-    reinterpret_cast<float4*>(o_out + row * D)[x4] = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+    reinterpret_cast<float4*>(o_fin + row * D)[x4] = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
   }
 }
 
@@ -424,8 +499,9 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
 // sums the float4 x4 of the splits s = q (mod groups). Everything it reads (the list length, the
 // splits' LSE and partial outputs) is requested at once, so the merge costs one round trip instead
 // of a chain of four; entries of splits past the active ones are stale and never used.
-template <int D>
+template <int D, int LIST>
 __global__ void __launch_bounds__(kThreads) merge_kernel(AttentionParams p) {
+  constexpr bool BAL = LIST == kAllBalanced;
   constexpr int kLanes = D / 4, kGroups = kThreads / kLanes, kPer = kMaxSplits / kGroups;
   static_assert(kMaxSplits <= kThreads, "one split LSE per thread");
   __shared__ float wts[kMaxSplits];
@@ -434,12 +510,21 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(AttentionParams p) {
   pdl_wait();
   pdl_launch_dependents();
   const int row = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const int H = p.kv.n_head_kv, G = p.group, ns = p.n_splits;
+  const int H = p.kv.n_head_kv, G = p.group;
   const size_t bh = size_t(b) * H + h;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int q = threadIdx.x / kLanes, x4 = threadIdx.x % kLanes;
-  const float lv_all = int(threadIdx.x) < ns ? __ldcg(p.partial_lse + (bh * ns + threadIdx.x) * 16 + row) : -INFINITY;
-  const float4* po = reinterpret_cast<const float4*>(p.partial_o + (bh * ns * 16 + row) * D) + x4;
+  // The sequence's partials: n_splits slots from (b, h), or, balanced, its range (one more round trip).
+  int ns = p.n_splits, pps = p.pages_per_split;
+  size_t part0 = bh * ns;
+  if constexpr (BAL) {
+    const SplitRange r = split_range_of_sequence(p, b);
+    ns = r.a;
+    part0 = size_t(h) * p.n_splits * p.kv.batch + r.start;
+    pps = max(1, (pages_for_balance(p, b) + r.a - 1) / r.a);
+  }
+  const float lv_all = int(threadIdx.x) < ns ? __ldcg(p.partial_lse + (part0 + threadIdx.x) * 16 + row) : -INFINITY;
+  const float4* po = reinterpret_cast<const float4*>(p.partial_o + (part0 * 16 + row) * D) + x4;
   float4 v[kPer];
 #pragma unroll
   for (int u = 0; u < kPer; ++u) {
@@ -448,8 +533,8 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(AttentionParams p) {
   }
   const int n_pages = p.kv.indptr[b + 1] - p.kv.indptr[b];
   uint32_t fault = 0;
-  const int n_list = list_length(p, bh, n_pages, p.kv.last_page_len[b], &fault);
-  const int active = (n_list + p.pages_per_split - 1) / p.pages_per_split;
+  const int n_list = list_length(p, LIST == kSelectedPages, bh, n_pages, p.kv.last_page_len[b], &fault);
+  const int active = (n_list + pps - 1) / pps;
   if (active <= 1) return;  // written by the attention kernel (NaN for bad input)
 
   const float lv = int(threadIdx.x) < active ? lv_all : -INFINITY;
@@ -501,8 +586,8 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(AttentionParams p) {
   }
 }
 
-template <int D, int GT, typename T>
-cudaError_t launch_attention(const AttentionParams& p, cudaStream_t stream) {
+template <int D, int GT, typename T, int LIST>
+cudaError_t launch_list(const AttentionParams& p, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
   const unsigned nh = unsigned(ctas_per_split<GT>(p.group));
   cfg.gridDim = dim3(unsigned(p.n_splits) * nh, unsigned(p.kv.n_head_kv), unsigned(p.kv.batch));
@@ -513,10 +598,22 @@ cudaError_t launch_attention(const AttentionParams& p, cudaStream_t stream) {
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = p.pdl ? 1 : 0;
-  cudaError_t e = cudaLaunchKernelEx(&cfg, attention_kernel<D, GT, T>, p);
+  cudaError_t e = cudaLaunchKernelEx(&cfg, attention_kernel<D, GT, T, LIST>, p);
   if (e != cudaSuccess || p.n_splits <= p.merge_kernel_above) return e;
   cfg.gridDim = dim3(unsigned(p.group), unsigned(p.kv.n_head_kv), unsigned(p.kv.batch));
-  return cudaLaunchKernelEx(&cfg, merge_kernel<D>, p);
+  return cudaLaunchKernelEx(&cfg, merge_kernel<D, LIST>, p);
+}
+
+template <int D, int GT, typename T>
+cudaError_t launch_attention(const AttentionParams& p, cudaStream_t stream) {
+  switch (list_kind(p.selected != nullptr, p.balance_splits && p.kv.batch > 1)) {
+    case kSelectedPages:
+      return launch_list<D, GT, T, kSelectedPages>(p, stream);
+    case kAllBalanced:
+      return launch_list<D, GT, T, kAllBalanced>(p, stream);
+    default:
+      return launch_list<D, GT, T, kAllPages>(p, stream);
+  }
 }
 
 template <int D>
@@ -531,23 +628,28 @@ cudaError_t dispatch_attention(const AttentionParams& p, cudaStream_t stream) {
 
 int attention_max_splits() { return kMaxSplits; }
 
-template <int D, int GT, typename T>
+template <int D, int GT, typename T, int LIST>
 int occupancy_of() {
   int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, attention_kernel<D, GT, T>, kThreads, 0) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, attention_kernel<D, GT, T, LIST>, kThreads, 0) != cudaSuccess) {
     cudaGetLastError();
     return 1;
   }
   return std::max(n, 1);
 }
 
-int attention_ctas_per_sm(int head_dim, int group, KvType dtype, bool group_halves) {
-  const bool wide = group > 8 && !group_halves, bf = dtype == KvType::kBF16;
-  if (head_dim == 64)
-    return bf ? (wide ? occupancy_of<64, 16, __nv_bfloat16>() : occupancy_of<64, 8, __nv_bfloat16>())
-              : (wide ? occupancy_of<64, 16, __half>() : occupancy_of<64, 8, __half>());
-  return bf ? (wide ? occupancy_of<128, 16, __nv_bfloat16>() : occupancy_of<128, 8, __nv_bfloat16>())
-            : (wide ? occupancy_of<128, 16, __half>() : occupancy_of<128, 8, __half>());
+// The plan's sparse attention runs groups of more than 8 heads as group halves (GT 8), dense as one
+// CTA per group (GT 16 above 8 heads); balanced dense splits use the same registers (ptxas) as plain.
+template <int D, typename T>
+int occupancy_for(int group, bool sparse) {
+  if (sparse) return occupancy_of<D, 8, T, kSelectedPages>();
+  return group > 8 ? occupancy_of<D, 16, T, kAllPages>() : occupancy_of<D, 8, T, kAllPages>();
+}
+
+int attention_ctas_per_sm(int head_dim, int group, KvType dtype, bool sparse) {
+  const bool bf = dtype == KvType::kBF16;
+  if (head_dim == 64) return bf ? occupancy_for<64, __nv_bfloat16>(group, sparse) : occupancy_for<64, __half>(group, sparse);
+  return bf ? occupancy_for<128, __nv_bfloat16>(group, sparse) : occupancy_for<128, __half>(group, sparse);
 }
 
 cudaError_t paged_decode_attention(const AttentionParams& p, cudaStream_t stream) {

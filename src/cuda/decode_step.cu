@@ -15,7 +15,7 @@ cudaError_t prepare_select(int log_mass_stride);
 int share_ctas_per_sm(int group, bool merge);
 int share_pages_per_cta();
 int attention_max_splits();
-int attention_ctas_per_sm(int head_dim, int group, KvType dtype, bool group_halves);
+int attention_ctas_per_sm(int head_dim, int group, KvType dtype, bool sparse);
 int score_ctas_per_sm(int head_dim, int group);
 
 namespace {
@@ -176,6 +176,8 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device) {
     p.sparse_pages_per_split = pps;
     p.sparse_splits = div_up(sel, pps);
   }
+  // Dense: splits sized for max_pages; with dense_balance (AttentionParams::balance_splits) the
+  // n_splits * batch CTAs per KV head are shared by the sequences' actual lengths at run time.
   {
     const int want = std::max(1, int(slots / bh));
     int pps = std::max(4, div_up(sh.max_pages, want));
@@ -327,6 +329,7 @@ AttentionParams step_attention_params(const DecodePlan& plan, const DecodeStepPa
   ap.counters = at<uint32_t>(p.workspace, sparse ? plan.off_counters_sparse : plan.off_counters_dense);
   ap.pdl = plan.pdl;
   ap.group_halves = sparse && plan.sparse_group_halves;
+  ap.balance_splits = !sparse && plan.dense_balance;
   if (sparse) {
     ap.selected = at<int32_t>(p.workspace, plan.off_selected);
     ap.n_selected = at<int32_t>(p.workspace, plan.off_n_selected);

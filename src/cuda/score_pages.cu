@@ -160,65 +160,40 @@ __device__ __forceinline__ int pages_for_balance(const ScoreParams& p, int b) {
   return n < 0 || n > p.log_mass_stride ? 0 : n;
 }
 __device__ __forceinline__ int balanced_chunks(const ScoreParams& p, int n, long long total, int spare) {
-  const long long share = total > 0 && spare > 0 ? (long long)n * spare / total : 0;
-  return int(min(min((long long)p.n_chunks, 1 + share), (long long)max(1, (n + 31) / 32)));
+  return proportional_slots(n, total, spare, min(p.n_chunks, max(1, (n + 31) / 32)));
 }
 // One sequence needs no page counts: a = 1 + spare (capped; chunks past its pages are empty items), so
 // batch 1 starts without the page-table round trip (H200, 1M tokens, 4 KV heads: +1 us otherwise).
 __device__ __forceinline__ int single_sequence_chunks(const ScoreParams& p, int spare) {
   return min(p.n_chunks, max(1, 1 + spare));
 }
-// Called by every lane of a warp: (sum over sequences of n_b, sum of a_b * H items) by warp sums.
+// Called by every lane of a warp: (sum over sequences of n_b, sum of a_b * H items).
 __device__ __forceinline__ void balance_totals(const ScoreParams& p, int spare_or_neg, long long* total, int* items) {
-  const int lane = threadIdx.x & 31, B = p.kv.batch, H = p.kv.n_head_kv;
+  const int B = p.kv.batch, H = p.kv.n_head_kv;
   if (B == 1) {
     *total = 0;  // unused
     *items = single_sequence_chunks(p, spare_or_neg) * H;
     return;
   }
-  long long t = 0;
-  for (int b = lane; b < B; b += 32) t += pages_for_balance(p, b);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(kFull, t, o);
-  int n_items = 0;
-  for (int b = lane; b < B; b += 32) n_items += balanced_chunks(p, pages_for_balance(p, b), t, spare_or_neg) * H;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) n_items += __shfl_xor_sync(kFull, n_items, o);
+  const long long t = batch_sum<long long>(B, [&](int b) { return (long long)pages_for_balance(p, b); });
   *total = t;
-  *items = n_items;
+  *items = batch_sum<int>(B, [&](int b) { return balanced_chunks(p, pages_for_balance(p, b), t, spare_or_neg) * H; });
 }
 // The balanced item `item`: its sequence b, its first item `start` and its chunk count a (every lane).
 __device__ __forceinline__ void balanced_item(const ScoreParams& p, int item, long long total, int spare, int* b_out,
                                               int* start_out, int* a_out) {
-  const int lane = threadIdx.x & 31, B = p.kv.batch, H = p.kv.n_head_kv;
-  if (B == 1) {
+  const int H = p.kv.n_head_kv;
+  if (p.kv.batch == 1) {
     *b_out = 0;
     *start_out = 0;
     *a_out = single_sequence_chunks(p, spare);
     return;
   }
-  int base = 0;
+  int width = 0;
   *b_out = -1;
-  for (int b0 = 0; b0 < B; b0 += 32) {
-    const int b = b0 + lane;
-    const int a = b < B ? balanced_chunks(p, pages_for_balance(p, b), total, spare) : 0;
-    int incl = a * H;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int v = __shfl_up_sync(kFull, incl, o);
-      if (lane >= o) incl += v;
-    }
-    const int excl = base + incl - a * H;
-    const unsigned hit = __ballot_sync(kFull, b < B && item >= excl && item < base + incl);
-    if (hit) {
-      const int src = __ffs(int(hit)) - 1;
-      *b_out = b0 + src;
-      *start_out = __shfl_sync(kFull, excl, src);
-      *a_out = __shfl_sync(kFull, a, src);
-      return;
-    }
-    base += __shfl_sync(kFull, incl, 31);
-  }
+  find_slot_range(item, p.kv.batch, [&](int b) { return balanced_chunks(p, pages_for_balance(p, b), total, spare) * H; },
+                  b_out, start_out, &width);
+  *a_out = width / H;
 }
 
 template <int D, int GT, int MB>
@@ -341,7 +316,7 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
     bool bad_id = false;
     auto load_ids = [&](int i) -> int32_t {  // lane p < 8: page id of page p of octet i (0 past the end)
       const int pos = (oct_begin + i) * 8 + (lane & 7);
-      return (i < n_oct && pos < n_scored) ? __ldg(idx + pos) : 0;
+      return (i < n_oct && pos < n_scored) ? __ldcg(idx + pos) : 0;
     };
     auto issue = [&](int i, int32_t ids, uint32_t slot) {  // the warp copies octet i into a slot
       if (i < n_oct) {
@@ -423,7 +398,7 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
         float acc = 0.0f;
         uint4 kr[D / 8];  // the token's key, all loads in flight at once
 #pragma unroll
-        for (int x8 = 0; x8 < D / 8; ++x8) kr[x8] = __ldg(row + x8);
+        for (int x8 = 0; x8 < D / 8; ++x8) kr[x8] = __ldcg(row + x8);
 #pragma unroll
         for (int x8 = 0; x8 < D / 8; ++x8) {
           const uint4 v = kr[x8];

@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(kWarps * 32) summary_build_kernel(SummaryBuild
     constexpr int kChunks = 16 * D / 8;
 #pragma unroll
     for (int c = lane; c < kChunks; c += 32) {
-      const uint4 v = __ldg(reinterpret_cast<const uint4*>(src) + c);
+      const uint4 v = __ldcg(reinterpret_cast<const uint4*>(src) + c);
       const uint32_t w[4] = {v.x, v.y, v.z, v.w};
       const int i = (c * 8) / D, x0 = (c * 8) % D;
 #pragma unroll

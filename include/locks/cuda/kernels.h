@@ -260,6 +260,17 @@ struct AttentionParams {
   /// G > 8 only: run each split as two CTAs of at most 8 heads (rows [0, 8) and [8, G)), the second
   /// reading K/V mostly from the L2, instead of one CTA with all G heads as MMA rows.
   bool group_halves = false;
+  /// Dense only (ignored with `selected`), batch > 1: share the grid's n_splits * batch CTAs per KV
+  /// head among the sequences in proportion to their pages, instead of n_splits each. Sequence b gets
+  /// a_b = 1 + floor(n_b * (S - batch) / sum n) splits of ceil(n_b / a_b) pages (S = n_splits *
+  /// batch), at most attention_max_splits() and one per 4 pages; a sequence with a bad page count
+  /// counts as empty (its one CTA reports it). So sequences shorter than the plan's bound, or one long
+  /// sequence among short ones, keep the whole grid busy (H200, 1M tokens, 4 KV heads, batch 8 of
+  /// 1M, 512K, ..., 8K tokens: 2350 -> 980 us). partial_o / partial_lse are then indexed
+  /// [n_head_kv][S][16][head_dim] and [n_head_kv][S][16] (the same sizes). A sequence's splits depend
+  /// on the others' lengths, so its output can differ in the last bits between batches (off:
+  /// batch-invariant).
+  bool balance_splits = false;
   uint32_t* status = nullptr;  // nullable: DecodeStatus bits for bad input
 };
 cudaError_t paged_decode_attention(const AttentionParams& p, cudaStream_t stream);
@@ -287,6 +298,7 @@ struct DecodePlan {
   bool sparse_group_halves = false;  // AttentionParams::group_halves of the sparse attention
   bool defer_lse_total = false;      // ScoreParams::defer_lse_total (select_pages merges lse_total)
   bool score_balance = true;         // ScoreParams::balance_chunks (score_chunks is then its capacity)
+  bool dense_balance = true;         // AttentionParams::balance_splits of the dense step
   int score_equal_chunks = 0;        // chunks per (sequence, KV head) when all have max_pages pages
   bool select_candidates = false;    // SelectParams::candidates (the share kernel fits in one wave); read-only
   bool pdl = true;
