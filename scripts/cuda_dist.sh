@@ -13,6 +13,7 @@ nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a bench/cuda_read_patter
 # examples/embed built against an install of this build, as an engine would (the GPU step runs there)
 bash tests/embed_example.sh "$(realpath "$BUILD")" "$PWD" "$(command -v g++)" "$(dirname "$(dirname "$(command -v nvcc)")")" >/dev/null
 cp "$BUILD/embed-test/build/embed_locks" "$BUILD/dist/bin/"
+strip "$BUILD"/dist/bin/*   # host symbols only (the device code stays): the carry is limited to 64 MiB
 for lib in $(ldd "$BUILD/bin/locks" "$BUILD/bin/locks_tests" "$BUILD/dist/bin/embed_locks" | awk '/=>/ {print $3}' | sort -u); do
   case "$(basename "$lib")" in
     libc.so*|libm.so*|libstdc++*|libgcc_s*|ld-linux*) ;;   # the image's own (newer) ones

@@ -1250,6 +1250,14 @@ TEST(CudaAttention, BalancedDenseSplitsMatchCpuOnRaggedBatches) {
     }
     std::printf("[ balanced dense G=%d ] max rel err %.2e\n", G, worst);
   }
+  // The most splits one sequence can take (attention_max_splits(), 128): 640 pages, 128 splits of 5
+  // of the 4 x 128 slots; merged by the last CTA (d 64: its staging is full) and by the merge kernel.
+  World w(64, 1, 8, {16 * 640, 16 * 2, 5, 16 * 40}, lc::KvType::kF16, 1400, false);
+  const auto q = w.queries(3);
+  for (int above : {16, 128}) {
+    const AttnOut g = run_attention(w, q, nullptr, nullptr, 0, 5, false, above, true);
+    check_attention(w, q, g, dense_lists(w), "dense balanced, 128 splits");
+  }
 }
 
 TEST(CudaAttention, EmptyListGivesZeroAndNegInf) {

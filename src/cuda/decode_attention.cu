@@ -655,6 +655,7 @@ int attention_ctas_per_sm(int head_dim, int group, KvType dtype, bool sparse) {
 cudaError_t paged_decode_attention(const AttentionParams& p, cudaStream_t stream) {
   if (p.kv.batch <= 0 || p.kv.n_head_kv <= 0) return cudaSuccess;
   if (p.group < 1 || p.group > kMaxGroup || p.pages_per_split < 1 || p.n_splits < 1 || p.n_splits > kMaxSplits ||
+      (long long)p.n_splits * p.pages_per_split > INT_MAX ||
       !p.q || !p.o || !p.kv.k || !p.kv.v || !p.kv.indptr || !p.kv.indices || !p.kv.last_page_len ||
       (p.n_splits > 1 && (!p.partial_o || !p.partial_lse || !p.counters)) || (p.selected && !p.n_selected))
     return cudaErrorInvalidValue;

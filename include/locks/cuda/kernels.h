@@ -269,7 +269,8 @@ struct AttentionParams {
   /// 1M, 512K, ..., 8K tokens: 2350 -> 980 us). partial_o / partial_lse are then indexed
   /// [n_head_kv][S][16][head_dim] and [n_head_kv][S][16] (the same sizes). A sequence's splits depend
   /// on the others' lengths, so its output can differ in the last bits between batches (off:
-  /// batch-invariant).
+  /// batch-invariant). The split merge runs where the plan's n_splits puts it (merge_kernel_above),
+  /// also for a sequence that gets more splits than n_splits.
   bool balance_splits = false;
   uint32_t* status = nullptr;  // nullable: DecodeStatus bits for bad input
 };
