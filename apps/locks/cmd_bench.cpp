@@ -48,6 +48,7 @@ struct BenchArgs {
   bool f16 = false;
   bool no_pdl = false;
   bool ragged = false;
+  bool no_balance = false;
   // ---- end CUDA ----
 };
 
@@ -239,6 +240,7 @@ int bench_cuda(const BenchArgs& a, bool custom_shape, bool budget_given, bool ru
   o.bf16 = !a.f16;
   o.pdl = !a.no_pdl;
   o.ragged = a.ragged;
+  o.balance = !a.no_balance;
   return cuda::run_bench(o);
 #else
   (void)a;
@@ -301,7 +303,10 @@ Runner add_bench(CLI::App& app) {
       app.add_flag("--no-pdl", a->no_pdl, "cuda: launch the step's kernels without programmatic dependent launch"),
       app.add_flag("--ragged", a->ragged,
                    "cuda: sequence b of a batch holds context / 2^b tokens (one long sequence, ever shorter ones) "
-                   "instead of context each")};
+                   "instead of context each"),
+      app.add_flag("--no-balance", a->no_balance,
+                   "cuda: every sequence gets the same share of the GPU, sized by the longest (no run-time "
+                   "balancing of the score pass and dense attention; batch-invariant results)")};
   // ---- end CUDA ----
   const std::vector<CLI::Option*> cpu_only = {
       app.add_option("-m,--model", a->model, "cpu: GGUF model for the engine benchmark")->check(non_empty_path()),

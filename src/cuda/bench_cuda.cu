@@ -224,8 +224,10 @@ int run_bench(const BenchOptions& o) {
               copy_gbs);
   std::printf(
       "LOCKS budget %d tokens (%d pages), summaries r=8 int4 basis / int8 coef / int8 centroid, KV %s, "
-      "L2 flushed before each run, median of %d runs, CUDA graphs (stream launches: last two columns), PDL %s\n",
-      o.budget_tokens, o.budget_tokens / 16, o.bf16 ? "bf16" : "f16", o.runs, o.pdl ? "on" : "off");
+      "L2 flushed before each run, median of %d runs, CUDA graphs (stream launches: last two columns), PDL %s, "
+      "balancing %s\n",
+      o.budget_tokens, o.budget_tokens / 16, o.bf16 ? "bf16" : "f16", o.runs, o.pdl ? "on" : "off",
+      o.balance ? "on" : "off");
 
   if (csv)
     std::fprintf(csv,
@@ -360,7 +362,7 @@ int run_bench(const BenchOptions& o) {
         ds.dtype = kv.dtype;
         ds.max_pages = pages;
         ds.budget_pages = budget_pages;
-        DecodePlan plan = make_decode_plan(ds, dev);
+        DecodePlan plan = make_decode_plan(ds, dev, o.balance);
         plan.pdl = o.pdl;
         DevMem ws(plan.workspace_bytes), q(size_t(B) * H * G * D * 4), out(size_t(B) * H * G * D * 4),
             lse(size_t(B) * H * G * 4);

@@ -95,7 +95,7 @@ std::string device_description(int device) {
   return buf;
 }
 
-DecodePlan make_decode_plan(const DecodeShape& sh, int device) {
+DecodePlan make_decode_plan(const DecodeShape& sh, int device, bool balance) {
   if (sh.head_dim != 64 && sh.head_dim != 128)
     throw std::invalid_argument("CUDA decode: head_dim " + std::to_string(sh.head_dim) + " (supported: 64, 128)");
   if (sh.group < 1 || sh.group > kMaxGroup)
@@ -111,6 +111,7 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device) {
 
   DecodePlan p;
   p.shape = sh;
+  p.score_balance = p.dense_balance = balance;
   p.n_sm = prop.multiProcessorCount;
   const long bh = long(sh.batch) * sh.n_head_kv;
   const int max_splits = attention_max_splits();

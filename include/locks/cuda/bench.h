@@ -25,6 +25,7 @@ struct BenchOptions {
   bool bf16 = true;        // KV dtype (bf16 like the torch SDPA comparison; else f16)
   bool pdl = true;         // programmatic dependent launch between the step's kernels
   bool ragged = false;     // sequence b of a batch holds context >> b tokens (else every one holds context)
+  bool balance = true;     // make_decode_plan's balance: grids follow the actual lengths at run time
   std::string csv;         // optional CSV output path
   double max_gib = 100.0;  // skip points whose KV cache exceeds this
 };

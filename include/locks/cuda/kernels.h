@@ -298,7 +298,7 @@ struct DecodePlan {
   int dense_pages_per_split = 0, dense_splits = 0;
   bool sparse_group_halves = false;  // AttentionParams::group_halves of the sparse attention
   bool defer_lse_total = false;      // ScoreParams::defer_lse_total (select_pages merges lse_total)
-  bool score_balance = true;         // ScoreParams::balance_chunks (score_chunks is then its capacity)
+  bool score_balance = true;         // ScoreParams::balance_chunks (score_chunks is then its capacity); read-only
   bool dense_balance = true;         // AttentionParams::balance_splits of the dense step
   int score_equal_chunks = 0;        // chunks per (sequence, KV head) when all have max_pages pages
   bool select_candidates = false;    // SelectParams::candidates (the share kernel fits in one wave); read-only
@@ -314,9 +314,13 @@ struct DecodePlan {
 };
 /// Sizes the grids from `device`'s SM count and the kernels' occupancy on it (default -1: the current
 /// device; the current device is restored on return). Launch the plan's kernels on that device.
+/// `balance` (default): the score pass's chunks and the dense step's splits follow the sequences'
+/// actual lengths at run time (score_balance, dense_balance), so ragged batches keep the GPU busy;
+/// false gives every sequence the same share, sized by max_pages, and batch-invariant results (a
+/// sequence's output then does not depend on the other sequences of the batch).
 /// Throws std::invalid_argument for unsupported shapes (head_dim, group, budget) and
 /// std::runtime_error when no CUDA device is usable ("CUDA decode: no device").
-DecodePlan make_decode_plan(const DecodeShape& shape, int device = -1);
+DecodePlan make_decode_plan(const DecodeShape& shape, int device = -1, bool balance = true);
 /// Zero the counters and histograms of a fresh workspace (once, before the first step).
 cudaError_t init_decode_workspace(const DecodePlan& plan, void* workspace, cudaStream_t stream);
 
