@@ -1251,6 +1251,18 @@ TEST(CudaAttention, BalancedDenseSplitsMatchCpuOnRaggedBatches) {
     }
     std::printf("[ balanced dense G=%d ] max rel err %.2e\n", G, worst);
   }
+  // More than 32 sequences: the ranges come from the page table read again per use, not from one
+  // load per lane (the kernels' path up to 32 sequences).
+  {
+    std::vector<int> lens = {16 * 200 + 3};
+    for (int i = 0; i < 39; ++i) lens.push_back(16 * (1 + i % 7) + i % 16);
+    World w(64, 1, 4, lens, lc::KvType::kF16, 1500, false);
+    const auto q = w.queries(4);
+    for (int above : {16, 128}) {
+      const AttnOut g = run_attention(w, q, nullptr, nullptr, 0, 8, false, above, true);
+      check_attention(w, q, g, dense_lists(w), "dense balanced, 40 sequences");
+    }
+  }
   // The most splits one sequence can take (attention_max_splits(), 128): 640 pages, 128 splits of 5
   // of the 4 x 128 slots; merged by the last CTA (d 64: its staging is full) and by the merge kernel.
   World w(64, 1, 8, {16 * 640, 16 * 2, 5, 16 * 40}, lc::KvType::kF16, 1400, false);

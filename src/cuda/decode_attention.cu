@@ -57,6 +57,10 @@ struct SplitRange {
   int b = 0;      // the sequence
   int start = 0;  // its first slot among the S = n_splits * batch of its KV head
   int a = 1;      // its splits
+  int n = 0;      // its pages as balanced (0 for a bad page count)
+  // Batch <= 32: the sequence's page-table entries, from the one round trip of loads (else read again).
+  bool have_table = false;
+  int pbeg = 0, n_pages = 0, last_len = 0;
 };
 __device__ __forceinline__ int pages_for_balance(const AttentionParams& p, int b) {
   const int n = p.kv.indptr[b + 1] - p.kv.indptr[b];
@@ -69,22 +73,69 @@ __device__ __forceinline__ int balanced_splits(const AttentionParams& p, int b, 
   const int n = pages_for_balance(p, b);
   return proportional_slots(n, total, p.n_splits * p.kv.batch - p.kv.batch, min(kMaxSplits, max(1, (n + 3) / 4)));
 }
+// Batch <= 32: lane b's page-table entries and split count, from one round trip of loads; the
+// arithmetic then runs in registers (larger batches read the table again where they need it).
+struct LaneSplits {
+  int lo = 0, hi = 0, last_len = 0, n = 0, w = 0;
+};
+__device__ __forceinline__ LaneSplits lane_splits(const AttentionParams& p) {
+  const int lane = threadIdx.x & 31, B = p.kv.batch;
+  LaneSplits l;
+  if (lane < B) {
+    l.lo = p.kv.indptr[lane];
+    l.hi = p.kv.indptr[lane + 1];
+    l.last_len = p.kv.last_page_len[lane];
+    const int n = l.hi - l.lo;
+    l.n = n < 0 || n > p.n_splits * p.pages_per_split ? 0 : n;
+  }
+  long long total = l.n;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(kFull, total, o);
+  if (lane < B)
+    l.w = proportional_slots(l.n, total, p.n_splits * B - B, min(kMaxSplits, max(1, (l.n + 3) / 4)));
+  return l;
+}
 // The range of the CTA in slot `slot` (false: an idle slot past every range).
 __device__ __forceinline__ bool split_range_of_slot(const AttentionParams& p, int slot, SplitRange* r) {
-  // The CTA reads its sequence's last page length next: into L1 with the page counts' round trip.
-  for (int b = int(threadIdx.x & 31); b < p.kv.batch; b += 32)
-    asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p.kv.last_page_len + b));
+  if (p.kv.batch <= 32) {
+    const LaneSplits l = lane_splits(p);
+    if (!find_slot_range(slot, p.kv.batch, [&](int) { return l.w; }, &r->b, &r->start, &r->a)) return false;
+    r->n = __shfl_sync(kFull, l.n, r->b);
+    r->pbeg = __shfl_sync(kFull, l.lo, r->b);
+    r->n_pages = __shfl_sync(kFull, l.hi, r->b) - r->pbeg;
+    r->last_len = __shfl_sync(kFull, l.last_len, r->b);
+    r->have_table = true;
+    return true;
+  }
   const long long total = balance_total(p);
-  return find_slot_range(slot, p.kv.batch, [&](int b) { return balanced_splits(p, b, total); }, &r->b, &r->start,
-                         &r->a);
+  if (!find_slot_range(slot, p.kv.batch, [&](int b) { return balanced_splits(p, b, total); }, &r->b, &r->start,
+                       &r->a))
+    return false;
+  r->n = pages_for_balance(p, r->b);
+  return true;
 }
 // Sequence b's range.
 __device__ __forceinline__ SplitRange split_range_of_sequence(const AttentionParams& p, int b) {
-  const long long total = balance_total(p);
   SplitRange r;
   r.b = b;
+  if (p.kv.batch <= 32) {
+    const LaneSplits l = lane_splits(p);
+    const int lane = threadIdx.x & 31;
+    int incl = l.w;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(kFull, incl, o);
+      if (lane >= o) incl += v;
+    }
+    r.start = __shfl_sync(kFull, incl - l.w, b);
+    r.a = __shfl_sync(kFull, l.w, b);
+    r.n = __shfl_sync(kFull, l.n, b);
+    return r;
+  }
+  const long long total = balance_total(p);
   r.start = batch_sum<int>(p.kv.batch, [&](int bb) { return bb < b ? balanced_splits(p, bb, total) : 0; });
   r.a = balanced_splits(p, b, total);
+  r.n = pages_for_balance(p, b);
   return r;
 }
 
@@ -139,18 +190,19 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
   // Balanced: this CTA's slot among the KV head's n_splits * batch picks its sequence and split.
   int pps = p.pages_per_split;
   size_t part0 = (size_t(b) * H + h) * p.n_splits;  // the sequence's first partial slot
+  SplitRange range;
   if constexpr (BAL) {
-    SplitRange r;
-    if (!split_range_of_slot(p, int(blockIdx.z) * p.n_splits + s, &r)) return;
-    b = r.b;
-    s -= r.start - int(blockIdx.z) * p.n_splits;
-    part0 = size_t(h) * p.n_splits * p.kv.batch + r.start;
-    pps = max(1, (pages_for_balance(p, b) + r.a - 1) / r.a);
+    if (!split_range_of_slot(p, int(blockIdx.z) * p.n_splits + s, &range)) return;
+    b = range.b;
+    s -= range.start - int(blockIdx.z) * p.n_splits;
+    part0 = size_t(h) * p.n_splits * p.kv.batch + range.start;
+    pps = max(1, (range.n + range.a - 1) / range.a);
   }
   const size_t bh = size_t(b) * H + h;
-  const int pbeg = p.kv.indptr[b];
-  const int n_pages = p.kv.indptr[b + 1] - pbeg;
-  const int last_len = p.kv.last_page_len[b];
+  const bool have = BAL && range.have_table;
+  const int pbeg = have ? range.pbeg : p.kv.indptr[b];
+  const int n_pages = have ? range.n_pages : p.kv.indptr[b + 1] - pbeg;
+  const int last_len = have ? range.last_len : p.kv.last_page_len[b];
   float* o_out = p.o + bh * G * D;
   if (BAL && threadIdx.x == 0) {  // read after the page loop's barriers
     cta_bh = bh;
@@ -521,7 +573,7 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(AttentionParams p) {
     const SplitRange r = split_range_of_sequence(p, b);
     ns = r.a;
     part0 = size_t(h) * p.n_splits * p.kv.batch + r.start;
-    pps = max(1, (pages_for_balance(p, b) + r.a - 1) / r.a);
+    pps = max(1, (r.n + r.a - 1) / r.a);
   }
   const float lv_all = int(threadIdx.x) < ns ? __ldcg(p.partial_lse + (part0 + threadIdx.x) * 16 + row) : -INFINITY;
   const float4* po = reinterpret_cast<const float4*>(p.partial_o + (part0 * 16 + row) * D) + x4;
