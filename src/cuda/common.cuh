@@ -142,6 +142,17 @@ __device__ __forceinline__ int proportional_slots(int n, long long total, int sp
   return int(min((long long)cap, 1 + share));
 }
 
+// The inclusive prefix sum of x over the lanes of a warp.
+__device__ __forceinline__ int warp_inclusive_sum(int x) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(kFull, x, o);
+    if (lane >= o) x += v;
+  }
+  return x;
+}
+
 // The sequence whose range holds `slot`: false when the slot lies past every range, else its
 // sequence, the range's first slot and its width.
 template <class Width>
@@ -152,12 +163,7 @@ __device__ __forceinline__ bool find_slot_range(int slot, int B, Width width, in
   for (int b0 = 0; b0 < B; b0 += 32) {
     const int b = b0 + lane;
     const int w = b < B ? width(b) : 0;
-    int incl = w;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int v = __shfl_up_sync(kFull, incl, o);
-      if (lane >= o) incl += v;
-    }
+    const int incl = warp_inclusive_sum(w);
     const int excl = base + incl - w;
     const unsigned hit = __ballot_sync(kFull, b < B && slot >= excl && slot < base + incl);
     if (hit) {

@@ -62,16 +62,21 @@ struct SplitRange {
   bool have_table = false;
   int pbeg = 0, n_pages = 0, last_len = 0;
 };
-__device__ __forceinline__ int pages_for_balance(const AttentionParams& p, int b) {
-  const int n = p.kv.indptr[b + 1] - p.kv.indptr[b];
+// A page count as balanced (a bad one counts as empty) and a sequence's split count from it.
+__device__ __forceinline__ int balance_pages(const AttentionParams& p, int n) {
   return n < 0 || n > p.n_splits * p.pages_per_split ? 0 : n;
+}
+__device__ __forceinline__ int splits_of(const AttentionParams& p, int n, long long total) {
+  return proportional_slots(n, total, p.n_splits * p.kv.batch - p.kv.batch, min(kMaxSplits, max(1, (n + 3) / 4)));
+}
+__device__ __forceinline__ int pages_for_balance(const AttentionParams& p, int b) {
+  return balance_pages(p, p.kv.indptr[b + 1] - p.kv.indptr[b]);
 }
 __device__ __forceinline__ long long balance_total(const AttentionParams& p) {
   return batch_sum<long long>(p.kv.batch, [&](int b) { return (long long)pages_for_balance(p, b); });
 }
 __device__ __forceinline__ int balanced_splits(const AttentionParams& p, int b, long long total) {
-  const int n = pages_for_balance(p, b);
-  return proportional_slots(n, total, p.n_splits * p.kv.batch - p.kv.batch, min(kMaxSplits, max(1, (n + 3) / 4)));
+  return splits_of(p, pages_for_balance(p, b), total);
 }
 // Batch <= 32: lane b's page-table entries and split count, from one round trip of loads; the
 // arithmetic then runs in registers (larger batches read the table again where they need it).
@@ -85,20 +90,19 @@ __device__ __forceinline__ LaneSplits lane_splits(const AttentionParams& p) {
     l.lo = p.kv.indptr[lane];
     l.hi = p.kv.indptr[lane + 1];
     l.last_len = p.kv.last_page_len[lane];
-    const int n = l.hi - l.lo;
-    l.n = n < 0 || n > p.n_splits * p.pages_per_split ? 0 : n;
+    l.n = balance_pages(p, l.hi - l.lo);
   }
   long long total = l.n;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(kFull, total, o);
-  if (lane < B)
-    l.w = proportional_slots(l.n, total, p.n_splits * B - B, min(kMaxSplits, max(1, (l.n + 3) / 4)));
+  if (lane < B) l.w = splits_of(p, l.n, total);
   return l;
 }
 // The range of the CTA in slot `slot` (false: an idle slot past every range).
 __device__ __forceinline__ bool split_range_of_slot(const AttentionParams& p, int slot, SplitRange* r) {
   if (p.kv.batch <= 32) {
     const LaneSplits l = lane_splits(p);
+    // (one pass of the search: lane b is asked for sequence b's width, its own)
     if (!find_slot_range(slot, p.kv.batch, [&](int) { return l.w; }, &r->b, &r->start, &r->a)) return false;
     r->n = __shfl_sync(kFull, l.n, r->b);
     r->pbeg = __shfl_sync(kFull, l.lo, r->b);
@@ -120,14 +124,7 @@ __device__ __forceinline__ SplitRange split_range_of_sequence(const AttentionPar
   r.b = b;
   if (p.kv.batch <= 32) {
     const LaneSplits l = lane_splits(p);
-    const int lane = threadIdx.x & 31;
-    int incl = l.w;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int v = __shfl_up_sync(kFull, incl, o);
-      if (lane >= o) incl += v;
-    }
-    r.start = __shfl_sync(kFull, incl - l.w, b);
+    r.start = __shfl_sync(kFull, warp_inclusive_sum(l.w) - l.w, b);
     r.a = __shfl_sync(kFull, l.w, b);
     r.n = __shfl_sync(kFull, l.n, b);
     return r;
