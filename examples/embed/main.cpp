@@ -16,6 +16,18 @@
 #include <random>
 #include <vector>
 
+namespace {
+// ||a - ref|| / ||ref|| over n values: how far an output is from dense attention.
+double relative_error(const float* a, const float* ref, size_t n) {
+  double err = 0.0, norm = 0.0;
+  for (size_t i = 0; i < n; ++i) {
+    err += (a[i] - ref[i]) * (a[i] - ref[i]);
+    norm += ref[i] * ref[i];
+  }
+  return std::sqrt(err / norm);
+}
+}  // namespace
+
 #ifdef LOCKS_WITH_CUDA
 #include <locks/cuda/kernels.h>
 
@@ -150,12 +162,8 @@ bool gpu_decode_step(const locks::PagedKvCache& cache, const locks::KvSequence& 
       std::printf(" %d", j);
       has_needle |= j == needle_page;
     }
-    double err = 0.0, ref = 0.0;
-    for (size_t i = size_t(h) * G * d; i < size_t(h + 1) * G * d; ++i) {
-      err += (h_o[i] - o_dense[i]) * (h_o[i] - o_dense[i]);
-      ref += o_dense[i] * o_dense[i];
-    }
-    const double rel = std::sqrt(err / ref);
+    const size_t off = size_t(h) * G * d;
+    const double rel = relative_error(h_o.data() + off, o_dense.data() + off, size_t(G) * d);
     std::printf(" (needle page %s); output vs dense on the CPU: relative error %.2e\n", has_needle ? "kept" : "MISSED",
                 rel);
     ok = ok && has_needle && rel < 0.01;
@@ -212,12 +220,7 @@ int main() {
     paged_decode_attention(cache, 0, h, seq, sel.pages, q.data(), G, scale, o.data(), nullptr);
     paged_decode_attention(cache, 0, h, seq, all, q.data(), G, scale, o_dense.data(), nullptr);
     o_dense_all.insert(o_dense_all.end(), o_dense.begin(), o_dense.end());
-    double err = 0.0, ref = 0.0;
-    for (size_t i = 0; i < o.size(); ++i) {
-      err += (o[i] - o_dense[i]) * (o[i] - o_dense[i]);
-      ref += o_dense[i] * o_dense[i];
-    }
-    const double rel = std::sqrt(err / ref);
+    const double rel = relative_error(o.data(), o_dense.data(), o.size());
     bool has_needle = false;
     std::printf("KV head %d: LOCKS kept pages", h);
     for (int32_t j : sel.pages) {

@@ -135,6 +135,10 @@ __device__ __forceinline__ T batch_sum(int B, F f) {
   return t;
 }
 
+// A page count as the balancing counts it: a bad one (negative, or above the `capacity` the launch
+// covers) as empty, so that it takes one slot, whose item reports the fault.
+__device__ __forceinline__ int balance_pages(int n, int capacity) { return n < 0 || n > capacity ? 0 : n; }
+
 // A sequence's slot count: 1 + floor(n * spare / total), at most cap. With S slots for B sequences
 // and spare = S - B >= 0, the counts of a batch sum to at most S (total = the batch's pages).
 __device__ __forceinline__ int proportional_slots(int n, long long total, int spare, int cap) {

@@ -62,15 +62,12 @@ struct SplitRange {
   bool have_table = false;
   int pbeg = 0, n_pages = 0, last_len = 0;
 };
-// A page count as balanced (a bad one counts as empty) and a sequence's split count from it.
-__device__ __forceinline__ int balance_pages(const AttentionParams& p, int n) {
-  return n < 0 || n > p.n_splits * p.pages_per_split ? 0 : n;
-}
+// A sequence's split count from its balanced page count.
 __device__ __forceinline__ int splits_of(const AttentionParams& p, int n, long long total) {
   return proportional_slots(n, total, p.n_splits * p.kv.batch - p.kv.batch, min(kMaxSplits, max(1, (n + 3) / 4)));
 }
 __device__ __forceinline__ int pages_for_balance(const AttentionParams& p, int b) {
-  return balance_pages(p, p.kv.indptr[b + 1] - p.kv.indptr[b]);
+  return balance_pages(p.kv.indptr[b + 1] - p.kv.indptr[b], p.n_splits * p.pages_per_split);
 }
 __device__ __forceinline__ long long balance_total(const AttentionParams& p) {
   return batch_sum<long long>(p.kv.batch, [&](int b) { return (long long)pages_for_balance(p, b); });
@@ -90,7 +87,7 @@ __device__ __forceinline__ LaneSplits lane_splits(const AttentionParams& p) {
     l.lo = p.kv.indptr[lane];
     l.hi = p.kv.indptr[lane + 1];
     l.last_len = p.kv.last_page_len[lane];
-    l.n = balance_pages(p, l.hi - l.lo);
+    l.n = balance_pages(l.hi - l.lo, p.n_splits * p.pages_per_split);
   }
   long long total = l.n;
 #pragma unroll

@@ -156,8 +156,7 @@ constexpr int score_smem_bytes() {
 // CTAs. With B > 1 a sequence with a bad page count counts as empty here (its one item reports the
 // fault); one sequence alone takes min(n_chunks, S) chunks, a bad one reporting from each.
 __device__ __forceinline__ int pages_for_balance(const ScoreParams& p, int b) {
-  const int n = p.kv.indptr[b + 1] - p.kv.indptr[b];
-  return n < 0 || n > p.log_mass_stride ? 0 : n;
+  return balance_pages(p.kv.indptr[b + 1] - p.kv.indptr[b], p.log_mass_stride);
 }
 __device__ __forceinline__ int balanced_chunks(const ScoreParams& p, int n, long long total, int spare) {
   return proportional_slots(n, total, spare, min(p.n_chunks, max(1, (n + 31) / 32)));
