@@ -2,7 +2,7 @@
 # Runs on the lent H200 from the repository root, with build-cuda/dist carried (scripts/cuda_dist.sh).
 #   scripts/cuda_device_run.sh STAGE...   stages: info tests embed memcheck racecheck bench1 sdpa1 bench sdpa ncu
 #                                          ncuscore ncusrc ab patterns sass
-# (env: AB, AB_BATCHES for ab; NCU_BATCHES for ncu; KERNEL, SKIP for ncusrc; RACECHECK_FILTER, RACECHECK_TIMEOUT)
+# (env: AB, AB_BATCHES, AB_KV2 for ab; NCU_BATCHES for ncu; KERNEL, SKIP for ncusrc; RACECHECK_FILTER, RACECHECK_TIMEOUT)
 # Logs and CSVs go to $OUT. Each stage has its own time limit, so that a hung stage cannot take the whole call
 # (the limits add up to more than a call's 600 s; the stages themselves take ~3 min together).
 set -u
@@ -81,17 +81,17 @@ for stage in "$@"; do
         > "$OUT/ncusrc_${KERNEL:-select_kernel}.csv" 2>&1
       echo "ncu rc=$?" ;;
     ab)  # A/B: dist/bin/locks_a (previous build) vs dist/bin/locks (AB="locks_a locks locks_c" adds
-         # variants), same shapes, alternating, one call; AB_BATCHES sets the 1M kv4 batches
+         # variants; an entry "locks:NAME=value" runs that binary with an environment variable set),
+         # same shapes, alternating, one call; AB_BATCHES sets the 1M kv4 batches, AB_KV2 the kv2 ones
       for r in 1 2; do for v in ${AB:-locks_a locks}; do
-        [ -x "$DIST/bin/$v" ] || continue
-        timeout 60 "$DIST/bin/$v" bench --device cuda --contexts 1048576 --kv-heads 4 --group 8 --head-dim 128 \
-          --batches ${AB_BATCHES:-1,8} --runs 15 2>&1 | grep -E "^\| custom" | sed "s/^/$v kv4 /"
-        timeout 60 "$DIST/bin/$v" bench --device cuda --contexts 262144 --kv-heads 8 --group 4 --head-dim 128 \
-          --batches 1 --runs 15 2>&1 | grep -E "^\| custom" | sed "s/^/$v llama /"
-        timeout 60 "$DIST/bin/$v" bench --device cuda --contexts 131072,1048576 --kv-heads 2 --group 16 --head-dim 128 \
-          --batches 1,2 --runs 15 2>&1 | grep -E "^\| custom" | sed "s/^/$v kv2 /"
-        timeout 60 "$DIST/bin/$v" bench --device cuda --contexts 131072 --kv-heads 4 --group 8 --head-dim 128 \
-          --batches 1 --runs 15 2>&1 | grep -E "^\| custom" | sed "s/^/$v kv4 /"
+        bin=${v%%:*}; envs=(); [ "$bin" != "$v" ] && envs=("${v#*:}")
+        [ -x "$DIST/bin/$bin" ] || continue
+        run() { env "${envs[@]}" timeout 60 "$DIST/bin/$bin" bench --device cuda --head-dim 128 --runs 15 "$@" 2>&1 \
+          | grep -E "^\| custom"; }
+        run --contexts 1048576 --kv-heads 4 --group 8 --batches ${AB_BATCHES:-1,8} | sed "s/^/$v kv4 /"
+        run --contexts 262144 --kv-heads 8 --group 4 --batches 1 | sed "s/^/$v llama /"
+        run --contexts 131072,262144,1048576 --kv-heads 2 --group 16 --batches ${AB_KV2:-1,2} | sed "s/^/$v kv2 /"
+        run --contexts 131072 --kv-heads 4 --group 8 --batches 1,2 | sed "s/^/$v kv4 /"
       done; done ;;
     patterns)  # read-bandwidth ceilings of the score pass's access pattern (bench/cuda_read_patterns.cu)
       # L2 flushed by a read (as in bench), batch 1 and 8 sizes; then by a write (dirty L2), batch 1

@@ -563,7 +563,7 @@ struct AttnOut {
 
 AttnOut run_attention(const World& w, const std::vector<float>& q, const std::vector<int32_t>* sel,
                       const std::vector<int32_t>* n_sel, int sel_stride, int pps, bool group_halves = false,
-                      int merge_kernel_above = 16, bool balance_splits = false) {
+                      int merge_kernel_above = 16, bool balance_splits = false, bool cluster_merge = false) {
   int max_list = 0;
   for (int b = 0; b < w.B(); ++b)
     for (int h = 0; h < w.H; ++h)
@@ -595,6 +595,7 @@ AttnOut run_attention(const World& w, const std::vector<float>& q, const std::ve
   p.group_halves = group_halves;
   p.merge_kernel_above = merge_kernel_above;
   p.balance_splits = balance_splits;
+  p.cluster_merge = cluster_merge;
   ck(lc::paged_decode_attention(p, nullptr), "paged_decode_attention");
   dev_sync();
   for (uint32_t c : dcnt.down()) EXPECT_EQ(c, 0u) << "attention counters must be left at zero";
@@ -1227,6 +1228,12 @@ TEST(CudaAttention, DenseAndSparseMatchCpuF16AndBf16) {
           for (int pps : {1, 3, 4}) {
             const AttnOut g = run_attention(w, q, &sel, &nsel, k, pps, halves);
             worst = std::max(worst, check_attention(w, q, g, lists, "sparse"));
+            if (halves) continue;
+            // The splits as one cluster, merged through distributed shared memory (12, 4 and 3 CTAs;
+            // sequences of fewer listed pages leave CTAs idle): the same merge arithmetic.
+            const AttnOut gc = run_attention(w, q, &sel, &nsel, k, pps, false, 16, false, /*cluster_merge=*/true);
+            worst = std::max(worst, check_attention(w, q, gc, lists, "sparse, cluster merge"));
+            EXPECT_EQ(gc.o, g.o) << "cluster merge: same weights and sums as the last CTA's merge";
           }
         }
         std::printf("[ attention %s d=%d G=%d ] max rel err %.2e\n", dt == lc::KvType::kF16 ? "f16" : "bf16", d, G,
@@ -1280,6 +1287,7 @@ TEST(CudaAttention, EmptyListGivesZeroAndNegInf) {
   std::vector<int32_t> sel(4, 0), nsel(1, 0);
   const AttnOut g = run_attention(w, q, &sel, &nsel, 4, 4);
   check_attention(w, q, g, {{}}, "empty");
+  check_attention(w, q, run_attention(w, q, &sel, &nsel, 4, 4, false, 16, false, true), {{}}, "empty, cluster merge");
   World w11(64, 1, 11, {40}, lc::KvType::kF16, 1, false);  // G > 8 as two CTAs of <= 8 heads
   const auto q11 = w11.queries(1);
   check_attention(w11, q11, run_attention(w11, q11, &sel, &nsel, 4, 4, true), {{}}, "empty, group halves");
@@ -1287,7 +1295,9 @@ TEST(CudaAttention, EmptyListGivesZeroAndNegInf) {
 
 // The whole LOCKS step through the plan (GPU-built summaries), eager and from a CUDA graph.
 // expect_defer: the plan must leave the lse_total merge to select_pages (>= 32 score chunks).
-void run_step_test(World& w, int budget_pages, const char* what, bool expect_defer = false, bool balance = true) {
+// cluster: leave the plan's sparse cluster merge as it is (false: turn it off).
+void run_step_test(World& w, int budget_pages, const char* what, bool expect_defer = false, bool balance = true,
+                   bool cluster = true) {
   const auto q = w.queries(77);
   // GPU summaries of every full page.
   const std::vector<int32_t> pages = w.full_pages();
@@ -1295,7 +1305,8 @@ void run_step_test(World& w, int budget_pages, const char* what, bool expect_def
   Dev<int32_t> dpages(pages.empty() ? std::vector<int32_t>{0} : pages);
   ck(lc::summary_build(w.build_params(dpages, int(pages.size()), drec.p), nullptr), "summary_build");
 
-  const lc::DecodePlan plan = lc::make_decode_plan(w.decode_shape(budget_pages), -1, balance);
+  lc::DecodePlan plan = lc::make_decode_plan(w.decode_shape(budget_pages), -1, balance);
+  if (!cluster) plan.sparse_cluster_merge = false;
   EXPECT_EQ(plan.defer_lse_total, plan.score_equal_chunks >= 32);
   EXPECT_EQ(plan.score_balance, balance);
   EXPECT_EQ(plan.dense_balance, balance);
@@ -1356,8 +1367,9 @@ void run_step_test(World& w, int budget_pages, const char* what, bool expect_def
   const double rel = check_attention(w, q, {o1, dl.down()}, lists, what);
   std::printf(
       "[ step %s ] captured-mass shortfall vs CPU max %.2e, output rel err max %.2e, plan: score chunk %d, "
-      "sparse %d x %d pages\n",
-      what, worst_mass, rel, plan.score_chunk_pages, plan.sparse_splits, plan.sparse_pages_per_split);
+      "sparse %d x %d pages%s\n",
+      what, worst_mass, rel, plan.score_chunk_pages, plan.sparse_splits, plan.sparse_pages_per_split,
+      plan.sparse_cluster_merge ? " (one cluster each)" : "");
 
   // (3) CUDA graph: capture once, replay with new queries; equals the eager step.
   cudaStream_t st;
@@ -1395,6 +1407,7 @@ TEST(CudaDecodeStep, LocksStepMatchesCpuRandomPages) {
       World w(d, 2, G, {16 * 300 + 7, 16 * 90, 16 * 20 + 1}, lc::KvType::kF16, 500 + d + G);
       run_step_test(w, 32, "random");
       if (d == 128 && G != 6) run_step_test(w, 32, "random, no balancing", false, /*balance=*/false);
+      if (G != 16) run_step_test(w, 32, "random, no cluster merge", false, true, /*cluster=*/false);
     }
   // A long sequence at batch 2: >= 32 score chunks, so the share kernel merges lse_total.
   for (int G : {4, 16}) {

@@ -307,4 +307,19 @@ cudaError_t allow_dynamic_smem(size_t bytes) {
   return e;
 }
 
+// Allow Kernel clusters of more than 8 CTAs (up to 16 on the H100/H200) on the current device, once
+// per (kernel, device). A host call, not a stream operation.
+template <auto Kernel>
+cudaError_t allow_large_clusters() {
+  static std::atomic<unsigned long long> done{0};  // bit per device < 64
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  const unsigned long long bit = dev >= 0 && dev < 64 ? 1ull << dev : 0;
+  if (bit && (done.load() & bit)) return cudaSuccess;
+  e = cudaFuncSetAttribute(Kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  if (e == cudaSuccess) done.fetch_or(bit);
+  return e;
+}
+
 }  // namespace locks::cuda::detail

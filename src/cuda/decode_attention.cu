@@ -6,7 +6,8 @@
 // cores with the heads as MMA rows (G <= 8: rows 8..15 carry the low parts of the hi/lo split of q
 // and of P, so f16/bf16 rounding costs no accuracy; G > 8: heads in rows, two MMAs hi + lo; or, with
 // group_halves, two CTAs per split of <= 8 heads each). The warps' states are combined in shared
-// memory, the splits by log-sum-exp in the last CTA (or merge_kernel above 16 splits).
+// memory, the splits by log-sum-exp in the last CTA (or merge_kernel above 16 splits; or, with
+// cluster_merge, inside the thread-block cluster that the splits of a (sequence, KV head) form).
 //
 // Operands come straight from global memory into registers with 16-byte loads (no staging):
 //   K: lane 4g+t loads 16-byte chunks c = 4i + t of tokens g and g+8; k-step 2i+hh of that lane
@@ -19,6 +20,8 @@
 #include <climits>
 #include <cmath>
 
+#include <cooperative_groups.h>
+
 #include "common.cuh"
 
 namespace locks::cuda {
@@ -30,6 +33,7 @@ using namespace detail;
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kMaxSplits = 128;  // merge weights staged in shared memory
+constexpr int kMaxClusterSplits = 16;  // AttentionParams::cluster_merge: the largest (non-portable) cluster
 
 // CTAs per split: 2 when the <= 8-row kernel (GT = 8) runs a group of more than 8 heads (group
 // halves), else 1. The kernel and its launch both size the grid by it.
@@ -145,14 +149,16 @@ enum ListKind : int {
   kSelectedPages = 0,  // sparse: the selected list
   kAllPages = 1,       // dense, n_splits per sequence
   kAllBalanced = 2,    // dense, AttentionParams::balance_splits with batch > 1
+  kSelectedCluster = 3,  // sparse, AttentionParams::cluster_merge: the splits merge through DSMEM
 };
-__host__ __device__ constexpr int list_kind(bool sparse, bool balanced) {
-  return sparse ? kSelectedPages : balanced ? kAllBalanced : kAllPages;
+__host__ __device__ constexpr int list_kind(bool sparse, bool balanced, bool cluster) {
+  return sparse ? (cluster ? kSelectedCluster : kSelectedPages) : balanced ? kAllBalanced : kAllPages;
 }
 
 template <int D, int GT, typename T, int LIST>
 __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) {
   constexpr bool BAL = LIST == kAllBalanced;
+  constexpr bool CLU = LIST == kSelectedCluster;  // one cluster per (sequence, KV head): CTA rank = split
   constexpr int KS = D / 16;   // k-steps of Q K^T
   constexpr int NKC = D / 32;  // K chunks per token row per lane
   constexpr int NVC = D / 64;  // V chunks per token row per lane
@@ -164,6 +170,9 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
   __shared__ __align__(16) float warp_o[kWarps][GT][D];  // reused for merge weights
   __shared__ float warp_m[kWarps][GT], warp_l[kWarps][GT];
   __shared__ int last_flag;
+  // CLU: this split's normalised output and log2-sum-exp, read by the cluster's merge.
+  __shared__ float clu_o[CLU ? GT : 1][CLU ? D : 1];
+  __shared__ float clu_l[CLU ? GT : 1];
   // BAL: this CTA's (sequence, KV head), split and first partial slot, for after the page loop: from
   // shared memory there, so that the loop does not hold them in registers.
   __shared__ size_t cta_bh, cta_part0;
@@ -176,7 +185,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int H = p.kv.n_head_kv, G = p.group;
   const int row0 = 8 * half, GL = nh == 1 ? G : min(8, G - row0);  // this CTA's head rows
-  constexpr bool sparse = LIST == kSelectedPages;
+  constexpr bool sparse = LIST == kSelectedPages || CLU;
 
   const bool early = p.pdl_early_reads;
   if (!early) pdl_wait();
@@ -260,7 +269,8 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
     }
     return;
   }
-  if (s >= active) return;
+  // (CLU: an idle split still takes part in the cluster's merge, with no pages: empty state.)
+  if (!CLU && s >= active) return;
 
   float o[NT][4];
 #pragma unroll
@@ -485,12 +495,52 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
     const float ov = lsum != 0.0f ? osum / lsum : 0.0f;
     const float l2 = lsum != 0.0f ? M + log2f(lsum) : -INFINITY;
     if (single) {
+      if (CLU && s != 0) break;
       o_fin[(row0 + row) * D + x] = ov;
       if (p.lse && x == 0) p.lse[bh_c * G + row0 + row] = l2 * kLn2;
+    } else if (CLU) {
+      clu_o[row][x] = ov;
+      if (x == 0) clu_l[row] = l2;
     } else {
       po[row * D + x] = ov;
       if (x == 0) pl[row] = l2;
     }
+  }
+  if constexpr (CLU) {
+    // The splits of this (sequence, KV head) are the CTAs of one cluster (launch_list): merge through
+    // distributed shared memory, CTA s taking elements s * 128 + tid, ... (no partials in global
+    // memory, no counter: two cluster barriers instead of the store, fence, atomic and reload).
+    if (single) return;  // (uniform across the cluster)
+    namespace cg = cooperative_groups;
+    const cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();  // every split's state is in its shared memory
+    for (int e = s * kThreads + int(threadIdx.x); e < GL * D; e += p.n_splits * kThreads) {
+      const int row = e / D, x = e % D;
+      float lv[kMaxClusterSplits], ov[kMaxClusterSplits];
+      float M = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < kMaxClusterSplits; ++c) {
+        if (c < active) {
+          lv[c] = *cluster.map_shared_rank(&clu_l[row], c);
+          ov[c] = *cluster.map_shared_rank(&clu_o[row][x], c);
+          M = fmaxf(M, lv[c]);
+        }
+      }
+      float lsum = 0.0f, acc = 0.0f;
+#pragma unroll
+      for (int c = 0; c < kMaxClusterSplits; ++c) {
+        if (c < active) {
+          const float wt = lv[c] == -INFINITY ? 0.0f : exp2f(lv[c] - M);
+          lsum += wt;
+          acc += wt * ov[c];
+        }
+      }
+      const float inv = lsum != 0.0f ? 1.0f / lsum : 0.0f;
+      o_fin[row * D + x] = acc * inv;
+      if (x == 0 && p.lse) p.lse[bh * G + row] = lsum != 0.0f ? (M + log2f(lsum)) * kLn2 : -INFINITY;
+    }
+    cluster.sync();  // no CTA leaves while another reads its shared memory
+    return;
   }
   if (single || p.n_splits > p.merge_kernel_above) return;  // many splits: merge_kernel does it
   if (!last_cta_done(p.counters + bh_c, uint32_t(active * nh), &last_flag)) return;
@@ -639,22 +689,34 @@ cudaError_t launch_list(const AttentionParams& p, cudaStream_t stream) {
   cfg.gridDim = dim3(unsigned(p.n_splits) * nh, unsigned(p.kv.n_head_kv), unsigned(p.kv.batch));
   cfg.blockDim = dim3(kThreads);
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  unsigned n_attr = 0;
+  if (p.pdl) {
+    attr[n_attr].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n_attr++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if constexpr (LIST == kSelectedCluster) {  // the splits of a (sequence, KV head) as one cluster
+    if (const cudaError_t e = allow_large_clusters<attention_kernel<D, GT, T, LIST>>(); e != cudaSuccess) return e;
+    attr[n_attr].id = cudaLaunchAttributeClusterDimension;
+    attr[n_attr].val.clusterDim.x = unsigned(p.n_splits);
+    attr[n_attr].val.clusterDim.y = 1;
+    attr[n_attr++].val.clusterDim.z = 1;
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = p.pdl ? 1 : 0;
+  cfg.numAttrs = n_attr;
   cudaError_t e = cudaLaunchKernelEx(&cfg, attention_kernel<D, GT, T, LIST>, p);
-  if (e != cudaSuccess || p.n_splits <= p.merge_kernel_above) return e;
+  if (e != cudaSuccess || LIST == kSelectedCluster || p.n_splits <= p.merge_kernel_above) return e;
   cfg.gridDim = dim3(unsigned(p.group), unsigned(p.kv.n_head_kv), unsigned(p.kv.batch));
   return cudaLaunchKernelEx(&cfg, merge_kernel<D, LIST>, p);
 }
 
 template <int D, int GT, typename T>
 cudaError_t launch_attention(const AttentionParams& p, cudaStream_t stream) {
-  switch (list_kind(p.selected != nullptr, p.balance_splits && p.kv.batch > 1)) {
+  switch (list_kind(p.selected != nullptr, p.balance_splits && p.kv.batch > 1, p.cluster_merge)) {
     case kSelectedPages:
       return launch_list<D, GT, T, kSelectedPages>(p, stream);
+    case kSelectedCluster:
+      return launch_list<D, GT, T, kSelectedCluster>(p, stream);
     case kAllBalanced:
       return launch_list<D, GT, T, kAllBalanced>(p, stream);
     default:
@@ -673,6 +735,39 @@ cudaError_t dispatch_attention(const AttentionParams& p, cudaStream_t stream) {
 }  // namespace
 
 int attention_max_splits() { return kMaxSplits; }
+
+// How many clusters of `size` sparse-attention CTAs (G <= 8) can be resident at once (0: none, or
+// the query failed). The cluster's CTAs must fit in one GPC, so this is below SMs * CTAs per SM / size.
+template <int D, typename T>
+int max_active_clusters_of(int size) {
+  constexpr auto kernel = attention_kernel<D, 8, T, kSelectedCluster>;
+  if (allow_large_clusters<kernel>() != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(size));
+  cfg.blockDim = dim3(kThreads);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = unsigned(size);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+int attention_max_active_clusters(int head_dim, KvType dtype, int size) {
+  if (size < 1 || size > kMaxClusterSplits) return 0;
+  const bool bf = dtype == KvType::kBF16;
+  if (head_dim == 64) return bf ? max_active_clusters_of<64, __nv_bfloat16>(size) : max_active_clusters_of<64, __half>(size);
+  return bf ? max_active_clusters_of<128, __nv_bfloat16>(size) : max_active_clusters_of<128, __half>(size);
+}
 
 template <int D, int GT, typename T, int LIST>
 int occupancy_of() {
@@ -703,7 +798,9 @@ cudaError_t paged_decode_attention(const AttentionParams& p, cudaStream_t stream
   if (p.group < 1 || p.group > kMaxGroup || p.pages_per_split < 1 || p.n_splits < 1 || p.n_splits > kMaxSplits ||
       (long long)p.n_splits * p.pages_per_split > INT_MAX ||
       !p.q || !p.o || !p.kv.k || !p.kv.v || !p.kv.indptr || !p.kv.indices || !p.kv.last_page_len ||
-      (p.n_splits > 1 && (!p.partial_o || !p.partial_lse || !p.counters)) || (p.selected && !p.n_selected))
+      (p.n_splits > 1 && !p.cluster_merge && (!p.partial_o || !p.partial_lse || !p.counters)) ||
+      (p.selected && !p.n_selected) ||
+      (p.cluster_merge && (!p.selected || p.n_splits > kMaxClusterSplits || (p.group_halves && p.group > 8))))
     return cudaErrorInvalidValue;
   switch (p.kv.head_dim) {
     case 64:

@@ -16,6 +16,7 @@ int share_ctas_per_sm(int group, bool merge);
 int share_pages_per_cta();
 int attention_max_splits();
 int attention_ctas_per_sm(int head_dim, int group, KvType dtype, bool sparse);
+int attention_max_active_clusters(int head_dim, KvType dtype, int size);
 int score_ctas_per_sm(int head_dim, int group);
 
 namespace {
@@ -176,6 +177,8 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device, bool balance) {
     pps = std::max(pps, div_up(sel, max_splits));
     p.sparse_pages_per_split = pps;
     p.sparse_splits = div_up(sel, pps);
+    p.sparse_cluster_merge = !p.sparse_group_halves && p.sparse_splits >= 2 && p.sparse_splits <= 16 &&
+                             bh <= attention_max_active_clusters(sh.head_dim, sh.dtype, p.sparse_splits);
   }
   // Dense: splits sized for max_pages; with dense_balance (AttentionParams::balance_splits) the
   // n_splits * batch CTAs per KV head are shared by the sequences' actual lengths at run time.
@@ -330,6 +333,7 @@ AttentionParams step_attention_params(const DecodePlan& plan, const DecodeStepPa
   ap.counters = at<uint32_t>(p.workspace, sparse ? plan.off_counters_sparse : plan.off_counters_dense);
   ap.pdl = plan.pdl;
   ap.group_halves = sparse && plan.sparse_group_halves;
+  ap.cluster_merge = sparse && plan.sparse_cluster_merge;
   ap.balance_splits = !sparse && plan.dense_balance;
   if (sparse) {
     ap.selected = at<int32_t>(p.workspace, plan.off_selected);

@@ -272,6 +272,14 @@ struct AttentionParams {
   /// batch-invariant). The split merge runs where the plan's n_splits puts it (merge_kernel_above),
   /// also for a sequence that gets more splits than n_splits.
   bool balance_splits = false;
+  /// Sparse only (needs `selected`), n_splits <= 16, one CTA per split (not group_halves with G > 8):
+  /// launch the splits of each (sequence, KV head) as one thread-block cluster and merge them through
+  /// distributed shared memory, instead of partials in global memory merged by the last CTA (two
+  /// cluster barriers in place of a store, fence, atomic and reload; partial_o, partial_lse and
+  /// counters are not used). Clusters above 8 CTAs are non-portable (H100/H200: up to 16); see
+  /// DecodePlan::sparse_cluster_merge for when the plan uses it. Invalid combinations:
+  /// cudaErrorInvalidValue.
+  bool cluster_merge = false;
   uint32_t* status = nullptr;  // nullable: DecodeStatus bits for bad input
 };
 cudaError_t paged_decode_attention(const AttentionParams& p, cudaStream_t stream);
@@ -297,6 +305,9 @@ struct DecodePlan {
   int sparse_pages_per_split = 0, sparse_splits = 0;
   int dense_pages_per_split = 0, dense_splits = 0;
   bool sparse_group_halves = false;  // AttentionParams::group_halves of the sparse attention
+  /// AttentionParams::cluster_merge of the sparse attention: on when the sparse splits (2 to 16, one
+  /// CTA each) of every (sequence, KV head) fit as clusters in one wave on the plan's device.
+  bool sparse_cluster_merge = false;
   bool defer_lse_total = false;      // ScoreParams::defer_lse_total (select_pages merges lse_total)
   bool score_balance = true;         // ScoreParams::balance_chunks (score_chunks is then its capacity); read-only
   bool dense_balance = true;         // AttentionParams::balance_splits of the dense step
