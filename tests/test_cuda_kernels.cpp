@@ -563,16 +563,18 @@ struct AttnOut {
 
 AttnOut run_attention(const World& w, const std::vector<float>& q, const std::vector<int32_t>* sel,
                       const std::vector<int32_t>* n_sel, int sel_stride, int pps, bool group_halves = false,
-                      int merge_kernel_above = 16, bool balance_splits = false, bool cluster_merge = false) {
+                      int merge_kernel_above = 16, bool balance_splits = false, bool cluster_merge = false,
+                      int n_splits = 0, uint32_t* status_out = nullptr) {
   int max_list = 0;
   for (int b = 0; b < w.B(); ++b)
     for (int h = 0; h < w.H; ++h)
       max_list = std::max(max_list, sel ? (*n_sel)[size_t(b) * w.H + h] : w.seqs[b].n_pages());
-  const int splits = std::max(1, (max_list + pps - 1) / pps);
+  const int splits = n_splits > 0 ? n_splits : std::max(1, (max_list + pps - 1) / pps);
   Dev<float> dq(q), d_o(q.size()), dl(size_t(w.B()) * w.H * w.G), dpo(size_t(w.B()) * w.H * splits * 16 * w.d),
       dpl(size_t(w.B()) * w.H * splits * 16);
-  Dev<uint32_t> dcnt(size_t(w.B()) * w.H);
+  Dev<uint32_t> dcnt(size_t(w.B()) * w.H), dstatus(1);
   dcnt.fill_bytes(0);
+  dstatus.fill_bytes(0);
   d_o.fill_bytes(0x7f);
   dl.fill_bytes(0x7f);
   Dev<int32_t> dsel(sel ? *sel : std::vector<int32_t>{0}), dn(n_sel ? *n_sel : std::vector<int32_t>{0});
@@ -596,8 +598,10 @@ AttnOut run_attention(const World& w, const std::vector<float>& q, const std::ve
   p.merge_kernel_above = merge_kernel_above;
   p.balance_splits = balance_splits;
   p.cluster_merge = cluster_merge;
+  p.status = dstatus.p;
   ck(lc::paged_decode_attention(p, nullptr), "paged_decode_attention");
   dev_sync();
+  if (status_out) *status_out = dstatus.down()[0];
   for (uint32_t c : dcnt.down()) EXPECT_EQ(c, 0u) << "attention counters must be left at zero";
   return {d_o.down(), dl.down()};
 }
@@ -1234,6 +1238,7 @@ TEST(CudaAttention, DenseAndSparseMatchCpuF16AndBf16) {
             const AttnOut gc = run_attention(w, q, &sel, &nsel, k, pps, false, 16, false, /*cluster_merge=*/true);
             worst = std::max(worst, check_attention(w, q, gc, lists, "sparse, cluster merge"));
             EXPECT_EQ(gc.o, g.o) << "cluster merge: same weights and sums as the last CTA's merge";
+            EXPECT_EQ(gc.lse, g.lse) << "cluster merge: the same log-sum-exp";
           }
         }
         std::printf("[ attention %s d=%d G=%d ] max rel err %.2e\n", dt == lc::KvType::kF16 ? "f16" : "bf16", d, G,
@@ -1291,6 +1296,70 @@ TEST(CudaAttention, EmptyListGivesZeroAndNegInf) {
   World w11(64, 1, 11, {40}, lc::KvType::kF16, 1, false);  // G > 8 as two CTAs of <= 8 heads
   const auto q11 = w11.queries(1);
   check_attention(w11, q11, run_attention(w11, q11, &sel, &nsel, 4, 4, true), {{}}, "empty, group halves");
+}
+
+// Sparse lists the launch cannot hold: longer than its splits cover (a split past the grid, a CTA
+// past the cluster) or than the list buffer, or n_selected < 0. That group gets NaN and
+// kStatusBadPageCount (n_selected < 0: NaN only; select_pages reports it), with the last-CTA merge
+// and with the cluster merge; the other groups are exact. Invalid cluster_merge combinations are
+// refused.
+TEST(CudaAttention, ListsBeyondTheLaunchAreBadInput) {
+  SKIP_WITHOUT_CUDA();
+  World w(64, 2, 4, {16 * 20 + 3, 16 * 15}, lc::KvType::kF16, 11, false);
+  const auto q = w.queries(3);
+  const int k = 12, B = w.B(), H = w.H;
+  std::vector<int32_t> sel(size_t(B) * H * k), nsel(size_t(B) * H, 6);
+  std::vector<std::vector<int32_t>> lists(size_t(B) * H);
+  for (size_t bh = 0; bh < lists.size(); ++bh) {
+    for (int i = 0; i < k; ++i) sel[bh * k + i] = int32_t(i);
+    lists[bh].assign(sel.begin() + bh * k, sel.begin() + bh * k + 6);
+  }
+  const size_t bad = 1;  // (b 0, h 1)
+  const size_t per_o = size_t(w.G) * w.d;
+  for (bool cluster : {false, true})
+    for (int n_bad : {9, 13, -1}) {  // 9 > 2 splits x 4 pages; 13 > the buffer's 12; -1
+      auto nb = nsel;
+      nb[bad] = n_bad;
+      uint32_t status = 0;
+      const AttnOut g = run_attention(w, q, &sel, &nb, k, 4, false, 16, false, cluster, /*n_splits=*/2, &status);
+      const std::string what = std::string(cluster ? "cluster merge" : "last-CTA merge") + ", n_selected " +
+                               std::to_string(n_bad);
+      EXPECT_EQ(status, n_bad < 0 ? 0u : uint32_t(lc::kStatusBadPageCount)) << what;
+      for (size_t i = bad * per_o; i < (bad + 1) * per_o; ++i) ASSERT_TRUE(std::isnan(g.o[i])) << what;
+      for (int r = 0; r < w.G; ++r) ASSERT_TRUE(std::isnan(g.lse[bad * w.G + r])) << what;
+      AttnOut others = g;
+      auto ref_lists = lists;
+      ref_lists[bad].clear();  // compared as an empty list below: put its expected values in place
+      for (size_t i = bad * per_o; i < (bad + 1) * per_o; ++i) others.o[i] = 0.0f;
+      for (int r = 0; r < w.G; ++r) others.lse[bad * w.G + r] = -INFINITY;
+      check_attention(w, q, others, ref_lists, what.c_str());
+    }
+
+  // Refused before any launch.
+  lc::AttentionParams p;
+  Dev<float> dq(q), d_o(q.size());
+  Dev<int32_t> dsel(sel), dn(nsel);
+  p.q = dq.p;
+  p.kv = w.view();
+  p.group = w.G;
+  p.scale = 0.125f;
+  p.o = d_o.p;
+  p.pages_per_split = 4;
+  p.n_splits = 4;
+  p.cluster_merge = true;
+  EXPECT_EQ(lc::paged_decode_attention(p, nullptr), cudaErrorInvalidValue) << "cluster merge without a list";
+  p.selected = dsel.p;
+  p.n_selected = dn.p;
+  p.selected_stride = k;
+  p.n_splits = 17;
+  EXPECT_EQ(lc::paged_decode_attention(p, nullptr), cudaErrorInvalidValue) << "a cluster of 17 CTAs";
+  World w11(64, 1, 11, {40}, lc::KvType::kF16, 1, false);
+  p.kv = w11.view();
+  p.group = 11;
+  p.n_splits = 4;
+  p.group_halves = true;
+  EXPECT_EQ(lc::paged_decode_attention(p, nullptr), cudaErrorInvalidValue) << "group halves in a cluster";
+  cudaGetLastError();
 }
 
 // The whole LOCKS step through the plan (GPU-built summaries), eager and from a CUDA graph.
@@ -1447,8 +1516,12 @@ TEST(CudaDecodeStep, BadPageTablesGiveNaNAndStatusOthersUnaffected) {
 
       // Balanced grids (the default) and a plan without run-time balancing (batch-invariant: the other
       // sequences stay bit-identical in every case, bad page counts included).
+      // Budget 8 pages: one sparse split; 32 (balanced only, LOCKS only): four, merged inside a
+      // cluster where the plan uses one (G 4 on the H200).
+      for (int budget : {8, 32})
       for (bool balance : {true, false}) {
-        const lc::DecodePlan plan = lc::make_decode_plan(w.decode_shape(8), -1, balance);
+        if (budget != 8 && !balance) continue;
+        const lc::DecodePlan plan = lc::make_decode_plan(w.decode_shape(budget), -1, balance);
         ASSERT_EQ(plan.defer_lse_total, plan.score_equal_chunks >= 32) << plan.score_equal_chunks << " score chunks";
         Dev<uint8_t> ws(plan.workspace_bytes);
         ck(lc::init_decode_workspace(plan, ws.p, nullptr), "init workspace");
@@ -1478,6 +1551,7 @@ TEST(CudaDecodeStep, BadPageTablesGiveNaNAndStatusOthersUnaffected) {
           return std::make_tuple(d_o.down(), dl.down(), status);
         };
         for (bool dense : {false, true}) {
+          if (budget != 8 && dense) continue;  // (the dense step does not depend on the budget)
           const auto [o_ref, l_ref, st_ref] = step(w.indptr, w.indices, w.last_len, dense);
           ASSERT_EQ(st_ref, 0u) << "clean table";
           for (float x : o_ref) ASSERT_TRUE(std::isfinite(x));
@@ -1535,9 +1609,10 @@ TEST(CudaDecodeStep, BadPageTablesGiveNaNAndStatusOthersUnaffected) {
           const auto [o2, l2, st2] = step(w.indptr, w.indices, w.last_len, dense);
           EXPECT_EQ(st2, 0u);
           EXPECT_EQ(std::memcmp(o2.data(), o_ref.data(), o2.size() * 4), 0) << "a clean step after bad ones";
-          std::printf("[ bad input G=%d %s%s%s ] %zu cases: NaN for the bad sequence, others unaffected\n", G,
+          std::printf("[ bad input G=%d %s%s%s%s ] %zu cases: NaN for the bad sequence, others unaffected\n", G,
                       dense ? "dense" : "locks", plan.defer_lse_total ? " deferred merge" : "",
-                      balance ? "" : ", no balancing", cases.size());
+                      balance ? "" : ", no balancing", !dense && plan.sparse_cluster_merge ? ", cluster merge" : "",
+                      cases.size());
         }
       }
     }

@@ -43,15 +43,20 @@ __host__ __device__ constexpr int ctas_per_split(int group) {
 }
 
 // The length of a sequence's page list, or -1 for bad input (kernels.h; its o and lse become NaN):
-// the page count or last page length is out of range (*fault names it), or select_pages saw bad
-// input (n_selected < 0; it is already in the status word).
+// the page count or last page length is out of range, or the selected list is longer than its
+// buffer or than the launch's splits cover (*fault names it), or select_pages saw bad input
+// (n_selected < 0; it is already in the status word).
 __device__ __forceinline__ int list_length(const AttentionParams& p, bool sparse, size_t bh, int n_pages, int last_len,
                                            uint32_t* fault) {
   *fault = sequence_fault(n_pages, last_len, sparse ? INT_MAX : p.n_splits * p.pages_per_split);
   if (*fault) return -1;
   if (n_pages == 0 || !sparse) return n_pages;
   const int n = p.n_selected[bh];
-  return n > p.selected_stride ? -1 : n;
+  if (n > p.selected_stride || n > p.n_splits * p.pages_per_split) {  // (a split past the grid, a CTA
+    *fault = kStatusBadPageCount;                                      // past the cluster: never read)
+    return -1;
+  }
+  return n;
 }
 
 // Balanced dense splits (AttentionParams::balance_splits): sequence b's split count a_b and where its
@@ -170,8 +175,9 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
   __shared__ __align__(16) float warp_o[kWarps][GT][D];  // reused for merge weights
   __shared__ float warp_m[kWarps][GT], warp_l[kWarps][GT];
   __shared__ int last_flag;
-  // CLU: this split's normalised output and log2-sum-exp, read by the cluster's merge.
-  __shared__ float clu_o[CLU ? GT : 1][CLU ? D : 1];
+  // CLU: this split's normalised output (in q_s, unused after the fragments are built) and
+  // log2-sum-exp, read by the cluster's merge.
+  float(*clu_o)[D] = q_s;
   __shared__ float clu_l[CLU ? GT : 1];
   // BAL: this CTA's (sequence, KV head), split and first partial slot, for after the page loop: from
   // shared memory there, so that the loop does not hold them in registers.
@@ -517,15 +523,15 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
     for (int e = s * kThreads + int(threadIdx.x); e < GL * D; e += p.n_splits * kThreads) {
       const int row = e / D, x = e % D;
       float lv[kMaxClusterSplits], ov[kMaxClusterSplits];
+#pragma unroll
+      for (int c = 0; c < kMaxClusterSplits; ++c) {  // every load issued before any is used
+        lv[c] = c < active ? *cluster.map_shared_rank(&clu_l[row], c) : -INFINITY;
+        ov[c] = c < active ? *cluster.map_shared_rank(&clu_o[row][x], c) : 0.0f;
+      }
       float M = -INFINITY;
 #pragma unroll
-      for (int c = 0; c < kMaxClusterSplits; ++c) {
-        if (c < active) {
-          lv[c] = *cluster.map_shared_rank(&clu_l[row], c);
-          ov[c] = *cluster.map_shared_rank(&clu_o[row][x], c);
-          M = fmaxf(M, lv[c]);
-        }
-      }
+      for (int c = 0; c < kMaxClusterSplits; ++c)
+        if (c < active) M = fmaxf(M, lv[c]);
       float lsum = 0.0f, acc = 0.0f;
 #pragma unroll
       for (int c = 0; c < kMaxClusterSplits; ++c) {
@@ -696,7 +702,8 @@ cudaError_t launch_list(const AttentionParams& p, cudaStream_t stream) {
     attr[n_attr++].val.programmaticStreamSerializationAllowed = 1;
   }
   if constexpr (LIST == kSelectedCluster) {  // the splits of a (sequence, KV head) as one cluster
-    if (const cudaError_t e = allow_large_clusters<attention_kernel<D, GT, T, LIST>>(); e != cudaSuccess) return e;
+    if (p.n_splits > 8)  // non-portable size
+      if (const cudaError_t e = allow_large_clusters<attention_kernel<D, GT, T, LIST>>(); e != cudaSuccess) return e;
     attr[n_attr].id = cudaLaunchAttributeClusterDimension;
     attr[n_attr].val.clusterDim.x = unsigned(p.n_splits);
     attr[n_attr].val.clusterDim.y = 1;
@@ -705,9 +712,13 @@ cudaError_t launch_list(const AttentionParams& p, cudaStream_t stream) {
   cfg.attrs = attr;
   cfg.numAttrs = n_attr;
   cudaError_t e = cudaLaunchKernelEx(&cfg, attention_kernel<D, GT, T, LIST>, p);
-  if (e != cudaSuccess || LIST == kSelectedCluster || p.n_splits <= p.merge_kernel_above) return e;
-  cfg.gridDim = dim3(unsigned(p.group), unsigned(p.kv.n_head_kv), unsigned(p.kv.batch));
-  return cudaLaunchKernelEx(&cfg, merge_kernel<D, LIST>, p);
+  if constexpr (LIST == kSelectedCluster) {
+    return e;  // merged inside the clusters
+  } else {
+    if (e != cudaSuccess || p.n_splits <= p.merge_kernel_above) return e;
+    cfg.gridDim = dim3(unsigned(p.group), unsigned(p.kv.n_head_kv), unsigned(p.kv.batch));
+    return cudaLaunchKernelEx(&cfg, merge_kernel<D, LIST>, p);
+  }
 }
 
 template <int D, int GT, typename T>

@@ -164,7 +164,9 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device, bool balance) {
   // reads did not come from the L2 (2000 -> 2860 us at 1M batch 8).
   p.sparse_group_halves = sh.group > 8;
   const long slots = long(p.n_sm) * attention_ctas_per_sm(sh.head_dim, sh.group, sh.dtype, false);
-  const int sel = std::min(sh.budget_pages, sh.max_pages);
+  // The longest list select_pages can write: the score pass accepts up to log_mass_stride pages
+  // (max_pages rounded up to 8), and the splits must cover it (a longer list is bad input).
+  const int sel = std::min(sh.budget_pages, p.log_mass_stride);
   {
     const long sparse_slots =
         long(p.n_sm) * attention_ctas_per_sm(sh.head_dim, sh.group, sh.dtype, true) / (p.sparse_group_halves ? 2 : 1);

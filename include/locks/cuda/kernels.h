@@ -225,14 +225,15 @@ cudaError_t select_pages(const SelectParams& p, cudaStream_t stream);
 /// select_pages writes it; dense: every page when `selected` is null). One CTA per (split, KV head,
 /// sequence) handles the whole group (G query heads as the rows of m16n8k16 MMAs, K and V read once
 /// for the group, f32 accumulation); splits are merged by log-sum-exp in the last CTA of each
-/// (sequence, KV head), or by a merge kernel when there are many splits. The partial last page is
-/// masked to last_page_len tokens. An empty page list gives o = 0 and lse = -inf. Bad input (see the
-/// top of this file; dense: more pages than n_splits * pages_per_split; sparse: n_selected < 0)
-/// gives o = NaN and lse = NaN for the whole group.
+/// (sequence, KV head), by a merge kernel when there are many splits, or (cluster_merge) inside the
+/// thread-block cluster the splits form. The partial last page is masked to last_page_len tokens. An
+/// empty page list gives o = 0 and lse = -inf. Bad input (see the top of this file; dense: more pages
+/// than n_splits * pages_per_split; sparse: n_selected < 0, or above selected_stride or
+/// n_splits * pages_per_split, kStatusBadPageCount) gives o = NaN and lse = NaN for the whole group.
 /// Launch contract: grid (n_splits, n_head_kv, batch) x 128 threads (2 n_splits with group_halves
 /// and G > 8: CTAs 2s and 2s + 1 take heads [0, 8) and [8, G) of split s); split s handles list entries
-/// [s * pages_per_split, (s + 1) * pages_per_split), n_splits >= ceil(max list length /
-/// pages_per_split). counters must be zero before the first launch; left zero afterwards.
+/// [s * pages_per_split, (s + 1) * pages_per_split). counters must be zero before the first launch;
+/// left zero afterwards (not used with cluster_merge).
 struct AttentionParams {
   const float* q = nullptr;  // [batch][n_head_kv * group][head_dim]
   PagedKvView kv;
@@ -275,8 +276,9 @@ struct AttentionParams {
   /// Sparse only (needs `selected`), n_splits <= 16, one CTA per split (not group_halves with G > 8):
   /// launch the splits of each (sequence, KV head) as one thread-block cluster and merge them through
   /// distributed shared memory, instead of partials in global memory merged by the last CTA (two
-  /// cluster barriers in place of a store, fence, atomic and reload; partial_o, partial_lse and
-  /// counters are not used). Clusters above 8 CTAs are non-portable (H100/H200: up to 16); see
+  /// cluster barriers in place of a store, fence, atomic and reload; partial_o, partial_lse,
+  /// counters and merge_kernel_above are not used). Clusters above 8 CTAs are non-portable
+  /// (H100/H200: up to 16; elsewhere the launch fails with the runtime's error); see
   /// DecodePlan::sparse_cluster_merge for when the plan uses it. Invalid combinations:
   /// cudaErrorInvalidValue.
   bool cluster_merge = false;
