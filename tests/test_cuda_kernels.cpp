@@ -1518,9 +1518,7 @@ TEST(CudaDecodeStep, BadPageTablesGiveNaNAndStatusOthersUnaffected) {
       // sequences stay bit-identical in every case, bad page counts included).
       // Budget 8 pages: one sparse split; 32 (balanced only, LOCKS only): four, merged inside a
       // cluster where the plan uses one (G 4 on the H200).
-      for (int budget : {8, 32})
-      for (bool balance : {true, false}) {
-        if (budget != 8 && !balance) continue;
+      for (auto [budget, balance] : {std::pair{8, true}, {8, false}, {32, true}}) {
         const lc::DecodePlan plan = lc::make_decode_plan(w.decode_shape(budget), -1, balance);
         ASSERT_EQ(plan.defer_lse_total, plan.score_equal_chunks >= 32) << plan.score_equal_chunks << " score chunks";
         Dev<uint8_t> ws(plan.workspace_bytes);

@@ -286,40 +286,37 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(kFull, x, 2);
 }
 
-// Raise Kernel's dynamic shared-memory limit to `bytes` on the current device, once per (kernel,
-// device): the attribute belongs to a device, so a process that drives several GPUs raises it on each.
-// A host call, not a stream operation.
-template <auto Kernel>
-cudaError_t allow_dynamic_smem(size_t bytes) {
+// Raise a function attribute of Kernel to at least `value` on the current device, once per (kernel,
+// attribute, device): the attribute belongs to a device, so a process that drives several GPUs raises
+// it on each. A host call, not a stream operation.
+template <auto Kernel, cudaFuncAttribute Attr>
+cudaError_t raise_func_attribute(int value) {
   constexpr int kDevices = 64;
-  static std::atomic<size_t> granted[kDevices];  // static storage: zero
+  static std::atomic<int> granted[kDevices];  // static storage: zero
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
   const bool tracked = dev >= 0 && dev < kDevices;
-  if (tracked && granted[dev].load() >= bytes) return cudaSuccess;
-  e = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+  if (tracked && granted[dev].load() >= value) return cudaSuccess;
+  e = cudaFuncSetAttribute(Kernel, Attr, value);
   if (e == cudaSuccess && tracked) {
-    size_t cur = granted[dev].load();
-    while (cur < bytes && !granted[dev].compare_exchange_weak(cur, bytes)) {
+    int cur = granted[dev].load();
+    while (cur < value && !granted[dev].compare_exchange_weak(cur, value)) {
     }
   }
   return e;
 }
 
-// Allow Kernel clusters of more than 8 CTAs (up to 16 on the H100/H200) on the current device, once
-// per (kernel, device). A host call, not a stream operation.
+// Kernel's dynamic shared-memory limit, raised to `bytes`.
+template <auto Kernel>
+cudaError_t allow_dynamic_smem(size_t bytes) {
+  return raise_func_attribute<Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize>(int(bytes));
+}
+
+// Kernel allowed clusters of more than 8 CTAs (up to 16 on the H100/H200).
 template <auto Kernel>
 cudaError_t allow_large_clusters() {
-  static std::atomic<unsigned long long> done{0};  // bit per device < 64
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return e;
-  const unsigned long long bit = dev >= 0 && dev < 64 ? 1ull << dev : 0;
-  if (bit && (done.load() & bit)) return cudaSuccess;
-  e = cudaFuncSetAttribute(Kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-  if (e == cudaSuccess) done.fetch_or(bit);
-  return e;
+  return raise_func_attribute<Kernel, cudaFuncAttributeNonPortableClusterSizeAllowed>(1);
 }
 
 }  // namespace locks::cuda::detail

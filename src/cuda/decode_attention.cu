@@ -98,9 +98,7 @@ __device__ __forceinline__ LaneSplits lane_splits(const AttentionParams& p) {
     l.last_len = p.kv.last_page_len[lane];
     l.n = balance_pages(l.hi - l.lo, p.n_splits * p.pages_per_split);
   }
-  long long total = l.n;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(kFull, total, o);
+  const long long total = batch_sum<long long>(B, [&](int) { return (long long)l.n; });  // (lane b: b's pages)
   if (lane < B) l.w = splits_of(p, l.n, total);
   return l;
 }
@@ -140,6 +138,16 @@ __device__ __forceinline__ SplitRange split_range_of_sequence(const AttentionPar
   r.a = balanced_splits(p, b, total);
   r.n = pages_for_balance(p, b);
   return r;
+}
+
+// The launch attribute of clusters of `size` CTAs along x (AttentionParams::cluster_merge).
+inline cudaLaunchAttribute cluster_dim_attr(int size) {
+  cudaLaunchAttribute a = {};
+  a.id = cudaLaunchAttributeClusterDimension;
+  a.val.clusterDim.x = unsigned(size);
+  a.val.clusterDim.y = 1;
+  a.val.clusterDim.z = 1;
+  return a;
 }
 
 __device__ __forceinline__ uint32_t u4w(const uint4& v, int w) {
@@ -704,10 +712,7 @@ cudaError_t launch_list(const AttentionParams& p, cudaStream_t stream) {
   if constexpr (LIST == kSelectedCluster) {  // the splits of a (sequence, KV head) as one cluster
     if (p.n_splits > 8)  // non-portable size
       if (const cudaError_t e = allow_large_clusters<attention_kernel<D, GT, T, LIST>>(); e != cudaSuccess) return e;
-    attr[n_attr].id = cudaLaunchAttributeClusterDimension;
-    attr[n_attr].val.clusterDim.x = unsigned(p.n_splits);
-    attr[n_attr].val.clusterDim.y = 1;
-    attr[n_attr++].val.clusterDim.z = 1;
+    attr[n_attr++] = cluster_dim_attr(p.n_splits);
   }
   cfg.attrs = attr;
   cfg.numAttrs = n_attr;
@@ -759,11 +764,7 @@ int max_active_clusters_of(int size) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(unsigned(size));
   cfg.blockDim = dim3(kThreads);
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = unsigned(size);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
+  cudaLaunchAttribute attr[1] = {cluster_dim_attr(size)};
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   int n = 0;
