@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -152,4 +154,38 @@ TEST(EvalReport, RemoveEvalReportTakesExactlyWhatTheReportWrites) {
   for (const char* other : others) EXPECT_TRUE(fs::exists(dir / other)) << other;
   EXPECT_EQ(locks::remove_eval_report((dir / "missing").string()), 0);
   fs::remove_all(dir);
+}
+
+namespace {
+std::string write_temp(const std::string& name, const std::string& bytes) {
+  const auto p = std::filesystem::temp_directory_path() / name;
+  std::ofstream(p, std::ios::binary) << bytes;
+  return p.string();
+}
+std::string load_error(const std::string& path) {
+  try {
+    locks::load_documents(path);
+  } catch (const std::runtime_error& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+// Documents split at 0x1E; xz recognised by its bytes, not its name; binary input refused.
+TEST(TextCorpus, SplitsDocumentsAndRecognisesXzByContent) {
+  const auto docs = locks::load_documents(write_temp("locks_corpus_plain.txt", "first doc\x1e\x1esecond\x1e"));
+  ASSERT_EQ(docs.size(), 2u);
+  EXPECT_EQ(docs[0], "first doc");
+  EXPECT_EQ(docs[1], "second");
+  EXPECT_NE(load_error(write_temp("locks_corpus_nul.txt", std::string("text\0more", 9))).find("NUL byte at offset 4"),
+            std::string::npos);
+  EXPECT_NE(load_error(write_temp("locks_corpus_fake.xz", "plain text")).find("not xz data"), std::string::npos);
+  if (!locks::test::shared_available()) GTEST_SKIP() << "../shared not present";
+  const std::string xz = locks::test::shared_path("data/heldout-text.txt.xz");
+  std::ifstream in(xz, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto want = locks::load_documents(xz);
+  EXPECT_EQ(locks::load_documents(write_temp("locks_corpus_renamed.txt", bytes)), want);  // xz under a .txt name
+  EXPECT_GT(want.size(), 10u);
 }

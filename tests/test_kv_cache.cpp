@@ -212,6 +212,8 @@ TEST(KvCache, WriteRejectsNonFiniteAndLeavesCacheUnchanged) {
   }
   EXPECT_THROW(cache.write(0, s, 20, k0.data(), v0.data()), std::out_of_range);
   EXPECT_THROW(cache.write(0, s, -1, k0.data(), v0.data()), std::out_of_range);
+  EXPECT_THROW(cache.write(0, s, 17, nullptr, v0.data()), std::invalid_argument);
+  EXPECT_THROW(cache.write(0, s, 17, k0.data(), nullptr), std::invalid_argument);
 }
 
 TEST(KvCache, F16WriteNeverStoresInfinity) {

@@ -422,6 +422,20 @@ TEST(PageSummary, NonFiniteKeysThrow) {
   }
 }
 
+TEST(PageSummary, BadArgumentsThrow) {
+  std::mt19937 rng(26);
+  const int d = 64;
+  const auto keys = randn(rng, 16 * d);
+  EXPECT_THROW(build_page_summary(nullptr, 16, d, 8), std::invalid_argument);
+  for (int rank : {0, -1, 33, 65}) EXPECT_THROW(build_page_summary(keys.data(), 16, d, rank), std::invalid_argument);
+  for (int n : {0, 33}) EXPECT_THROW(build_page_summary(keys.data(), n, d, 8), std::invalid_argument);
+  for (int dd : {0, 257}) EXPECT_THROW(build_page_summary(keys.data(), 1, dd, 8), std::invalid_argument);
+  // The largest page (32 rows) and rank: valid.
+  const auto big = randn(rng, 32 * d);
+  const PageSummaryF32 s = build_page_summary(big.data(), 32, d, 32);
+  EXPECT_EQ(s.basis.size(), size_t(32) * d);
+}
+
 TEST(PageSummary, SummaryLogMassMatchesFloat64Eq4) {
   std::mt19937 rng(26);
   for (int d : {64, 128}) {

@@ -56,4 +56,22 @@ TEST(Sampler, RejectsBadInput) {
   Sampler s({1.0f, 1.0f, 0});
   EXPECT_THROW(s.sample(std::vector<float>{0.0f, NAN}), std::runtime_error);
   EXPECT_THROW(s.sample(std::vector<float>{}), std::runtime_error);
+  // Every logit -inf: no token has any probability.
+  EXPECT_THROW(s.sample(std::vector<float>{-INFINITY, -INFINITY}), std::runtime_error);
+  EXPECT_THROW(Sampler({0.0f, 1.0f, 0}).sample(std::vector<float>{-INFINITY, -INFINITY}), std::runtime_error);
+}
+
+// +inf logits: the limit of the tempered softmax puts all the mass on them, in equal shares.
+TEST(Sampler, InfiniteLogitsTakeAllTheMass) {
+  for (const float temp : {0.0f, 0.8f, 2.0f}) {
+    Sampler s({temp, 0.9f, 7});
+    for (int i = 0; i < 50; ++i) EXPECT_EQ(s.sample(std::vector<float>{0.0f, 1.0f, INFINITY, 2.0f, 0.0f}), 2);
+  }
+  Sampler s({1.0f, 1.0f, 11});
+  std::map<int32_t, int> hits;
+  const int n = 4000;
+  for (int i = 0; i < n; ++i) ++hits[s.sample(std::vector<float>{INFINITY, 5.0f, -INFINITY, INFINITY})];
+  ASSERT_EQ(hits.size(), 2u);  // only tokens 0 and 3
+  EXPECT_NEAR(double(hits[0]) / n, 0.5, 0.04);
+  EXPECT_NEAR(double(hits[3]) / n, 0.5, 0.04);
 }

@@ -86,7 +86,7 @@ int run(const RunArgs& a) {
                                         "context size of {} token{}",
                                         prompt.size(), min_tokens, min_tokens == 1 ? "" : "s", a.max_tokens, n_ctx,
                                         n_ctx == 1 ? "" : "s"));
-  const std::vector<int32_t> ids = model.tokenizer.encode(prompt, true);
+  const std::vector<int32_t> ids = model.tokenizer.encode(prompt, model.tokenizer.add_bos());
 
   // Options a selector does not use would silently not apply (eval refuses them in a selector spec).
   auto ignored = [&](bool given, const char* opt, bool applies) {

@@ -78,8 +78,8 @@ class PagedKvCache {
 
   /// Store k, v ([n_head_kv][head_dim] float32 each) of token `pos` of `seq` in layer `il`.
   /// Throws std::out_of_range for a layer, position or page id outside the cache or sequence, and
-  /// std::invalid_argument when k or v holds NaN/Inf, or (f16 cache) a value beyond +-65504 that
-  /// would be stored as inf: a NaN or inf key would poison every score.
+  /// std::invalid_argument when k or v is null or holds NaN/Inf, or (f16 cache) a value beyond +-65504
+  /// that would be stored as inf: a NaN or inf key would poison every score.
   void write(int il, const KvSequence& seq, int32_t pos, const float* k, const float* v);
 
   /// Raw page block of one KV head: [B][head_dim] elements of the cache dtype. These accessors throw

@@ -49,7 +49,8 @@ struct PageSummaryF32 {
 /// Algorithm 1 on one page. keys: [n_tok][d] float32, n_tok in [1, B] (callers summarise full
 /// pages; shorter inputs are handled as a B-row page of n_tok rows). Singular values below
 /// 1e-6 * sigma_max (or exactly zero) give a zero basis column and zero coefficients, so pages of
-/// identical keys or rank < r are exact and never NaN. Throws std::invalid_argument on NaN/Inf keys.
+/// identical keys or rank < r are exact and never NaN. Throws std::invalid_argument on NaN/Inf keys,
+/// null keys, n_tok outside [1, 32], d outside [1, 256] or rank outside [1, 32].
 PageSummaryF32 build_page_summary(const float* keys, int n_tok, int d, int rank);
 
 /// Eq. 4 on an unquantized summary: s_hat(q) = logsumexp_i (q.mu + (V^T q).c_i) * scale.

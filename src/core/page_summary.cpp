@@ -183,7 +183,9 @@ std::string SummaryFormat::describe() const {
 PageSummaryF32 build_page_summary(const float* keys, int n_tok, int d, int rank) {
   if (n_tok < 1 || n_tok > kMaxPage) throw std::invalid_argument(fmt::format("page summary: {} tokens", n_tok));
   if (d < 1 || d > kMaxHeadDim) throw std::invalid_argument(fmt::format("page summary: head_dim {}", d));
-  rank = std::clamp(rank, 1, kMaxPage);
+  if (rank < 1 || rank > kMaxPage)
+    throw std::invalid_argument(fmt::format("page summary: rank {} outside [1, {}]", rank, kMaxPage));
+  if (!keys) throw std::invalid_argument("page summary: null keys");
   for (int i = 0; i < n_tok * d; ++i)
     if (!std::isfinite(keys[i]))
       throw std::invalid_argument(fmt::format("page summary: non-finite key at token {}, dim {}", i / d, i % d));

@@ -2,6 +2,7 @@
 
 #include <lzma.h>
 
+#include <algorithm>
 #include <stdexcept>
 
 #include <fmt/format.h>
@@ -44,7 +45,16 @@ std::string xz_decompress(const std::string& in, const std::string& path) {
 
 std::vector<std::string> load_documents(const std::string& path) {
   std::string data = read_input(path, kMaxCorpusBytes, "text corpus");
-  if (path.size() > 3 && path.compare(path.size() - 3, 3, ".xz") == 0) data = xz_decompress(data, path);
+  // xz by its magic bytes (a file's name may say otherwise), then text only: a NUL byte means binary.
+  static constexpr char kXzMagic[6] = {'\xFD', '7', 'z', 'X', 'Z', '\0'};
+  const bool named_xz = path.size() > 3 && path.compare(path.size() - 3, 3, ".xz") == 0;
+  if (data.size() >= 6 && std::equal(kXzMagic, kXzMagic + 6, data.begin()))
+    data = xz_decompress(data, path);
+  else if (named_xz)
+    throw std::runtime_error(fmt::format("'{}': named .xz but not xz data", path));
+  if (const size_t nul = data.find('\0'); nul != std::string::npos)
+    throw std::runtime_error(
+        fmt::format("text corpus '{}' holds a NUL byte at offset {} (binary data, not text)", path, nul));
   std::vector<std::string> docs;
   size_t start = 0;
   while (start <= data.size()) {

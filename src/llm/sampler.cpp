@@ -26,8 +26,19 @@ Sampler::Sampler(const SamplerConfig& cfg) : cfg_(cfg), rng_(cfg.seed) {
 
 int32_t Sampler::sample(std::span<const float> logits) {
   if (logits.empty()) throw std::runtime_error("sampler: empty logits");
-  for (float l : logits)
+  std::vector<int32_t> pos_inf;  // +inf logits: the softmax's limit puts all the mass on them, equally
+  bool any_mass = false;
+  for (size_t i = 0; i < logits.size(); ++i) {
+    const float l = logits[i];
     if (std::isnan(l)) throw std::runtime_error("sampler: NaN in the model's logits (NaN/Inf in its weights?)");
+    if (l == INFINITY) pos_inf.push_back(int32_t(i));
+    any_mass |= l != -INFINITY;
+  }
+  if (!any_mass) throw std::runtime_error("sampler: every logit is -inf (no token has any probability)");
+  if (!pos_inf.empty()) {
+    if (cfg_.temperature == 0.0f || pos_inf.size() == 1) return pos_inf.front();
+    return pos_inf[std::uniform_int_distribution<size_t>(0, pos_inf.size() - 1)(rng_)];
+  }
   if (cfg_.temperature == 0.0f) return argmax(logits);
   // Softmax at temperature T, then the nucleus: sort by probability, keep the prefix reaching top_p.
   const float mx = *std::max_element(logits.begin(), logits.end());
