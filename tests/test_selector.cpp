@@ -514,6 +514,15 @@ TEST(Selector, RequestsOutsideTheCacheThrow) {
     req.n_group = 0;
     EXPECT_EQ(test::error_of<std::invalid_argument>([&] { sel->select(*sc.cache, req, out); }), "select: n_group 0 < 1");
     req.n_group = 2;
+    std::vector<float> q_bad = q;
+    q_bad[64 + 3] = NAN;
+    req.q = q_bad.data();
+    EXPECT_EQ(test::error_of<std::invalid_argument>([&] { sel->select(*sc.cache, req, out); }),
+              "select: non-finite query at head 1, dim 3");
+    q_bad[64 + 3] = -INFINITY;
+    EXPECT_EQ(test::error_of<std::invalid_argument>([&] { sel->select(*sc.cache, req, out); }),
+              "select: non-finite query at head 1, dim 3");
+    req.q = q.data();
     req.seq = nullptr;
     EXPECT_EQ(test::error_of<std::invalid_argument>([&] { sel->select(*sc.cache, req, out); }),
               "select: the request needs q and seq");

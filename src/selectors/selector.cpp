@@ -1,5 +1,6 @@
 // The Selector interface's checked entry points: every selector gets the same argument checks
 // before its own on_pages_filled / select work (non-virtual interface).
+#include <cmath>
 #include <stdexcept>
 
 #include <fmt/format.h>
@@ -33,6 +34,11 @@ void Selector::select(const PagedKvCache& cache, const SelectionRequest& req, Se
   check_cache("select", cache);
   cache.check_layer_head("select", req.il, req.kv_head);
   cache.check_sequence("select", *req.seq, /*ids=*/true);
+  // A NaN or inf query would rank every page by garbage (NaN scores compare false everywhere).
+  const int d = cache.config().head_dim;
+  for (int i = 0; i < req.n_group * d; ++i)
+    if (!std::isfinite(req.q[i]))
+      throw std::invalid_argument(fmt::format("select: non-finite query at head {}, dim {}", i / d, i % d));
   do_select(cache, req, out);
 }
 
