@@ -168,7 +168,8 @@ void bench_attention(const BenchArgs& a) {
 
 std::vector<int32_t> haystack_tokens(const LlamaModel& model, int n) {
   const std::string path = resolve_default_path("examples/haystack.txt");
-  std::vector<int32_t> ids = model.tokenizer.encode(read_input(path, size_t(256) << 20, "haystack file"), model.tokenizer.add_bos());
+  const std::string text = read_input(path, size_t(256) << 20, "haystack file");
+  std::vector<int32_t> ids = model.tokenizer.encode(text, model.tokenizer.add_bos());
   if (int(ids.size()) < n)
     throw std::runtime_error(fmt::format("'{}' has {} tokens, the benchmark needs {}", path, ids.size(), n));
   ids.resize(n);

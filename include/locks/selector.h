@@ -64,8 +64,8 @@ class Selector {
   void on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids);
   /// Choose the pages for one GQA group: always page 0 (sink) and the last page (recent), at most
   /// max(budget_pages, 2) pages. Throws std::invalid_argument for a request without q or sequence,
-  /// with n_group < 1, a NaN/inf in q or a sequence whose length does not fit its page table, and std::out_of_range
-  /// for a layer, KV head or page id outside the cache (or a page not in use).
+  /// with n_group < 1, a NaN/inf in q or a sequence whose length does not fit its page table, and
+  /// std::out_of_range for a layer, KV head or page id outside the cache (or a page not in use).
   void select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out);
   /// Deep copy (metadata included), so an evaluation can fork a prefilled sequence.
   virtual std::unique_ptr<Selector> clone() const = 0;

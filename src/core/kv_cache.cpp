@@ -168,7 +168,8 @@ void PagedKvCache::write(int il, const KvSequence& seq, int32_t pos, const float
   if (pos < 0 || pos >= seq.n_tokens)
     throw std::out_of_range(fmt::format("KV write: position {} outside sequence of {} tokens", pos, seq.n_tokens));
   check_page_position("KV write", seq, pos / cfg_.page_size);
-  if (!k || !v) throw std::invalid_argument(fmt::format("KV write: null {} at layer {}, position {}", k ? "v" : "k", il, pos));
+  if (!k || !v)
+    throw std::invalid_argument(fmt::format("KV write: null {} at layer {}, position {}", k ? "v" : "k", il, pos));
   const int d = cfg_.head_dim;
   for (int i = 0; i < cfg_.n_head_kv * d; ++i)
     if (!std::isfinite(k[i]) || !std::isfinite(v[i]))

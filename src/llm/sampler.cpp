@@ -35,11 +35,10 @@ int32_t Sampler::sample(std::span<const float> logits) {
     any_mass |= l != -INFINITY;
   }
   if (!any_mass) throw std::runtime_error("sampler: every logit is -inf (no token has any probability)");
-  if (!pos_inf.empty()) {
-    if (cfg_.temperature == 0.0f || pos_inf.size() == 1) return pos_inf.front();
-    return pos_inf[std::uniform_int_distribution<size_t>(0, pos_inf.size() - 1)(rng_)];
-  }
-  if (cfg_.temperature == 0.0f) return argmax(logits);
+  if (cfg_.temperature == 0.0f) return argmax(logits);  // (the first +inf, if any)
+  if (!pos_inf.empty())
+    return pos_inf.size() == 1 ? pos_inf.front()
+                               : pos_inf[std::uniform_int_distribution<size_t>(0, pos_inf.size() - 1)(rng_)];
   // Softmax at temperature T, then the nucleus: sort by probability, keep the prefix reaching top_p.
   const float mx = *std::max_element(logits.begin(), logits.end());
   std::vector<double> p(logits.size());
