@@ -231,6 +231,20 @@ struct World {
           for (size_t i = 0; i < buf.size(); ++i) hv[o + i] = bf16_bits(buf[i]);
         }
     }
+    // The rows past a sequence's last token in its last page are never part of the result: poisoned
+    // here (K NaN, V +inf, as stale pool memory may be) so that any kernel reading them shows it.
+    const uint16_t nan_bits = cfg.dtype == KvDtype::F16 ? 0x7e00 : 0x7fc0;
+    const uint16_t inf_bits = cfg.dtype == KvDtype::F16 ? 0x7c00 : 0x7f80;
+    for (size_t b = 0; b < seqs.size(); ++b) {
+      if (seqs[b].n_pages() == 0 || last_len[b] == 16) continue;
+      const int32_t pg = seqs[b].page_table.back();
+      for (int h = 0; h < H; ++h)
+        for (int row = last_len[b]; row < 16; ++row) {
+          const size_t o = ((size_t(pg) * H + h) * 16 + row) * d;
+          std::fill_n(&hk[o], d, nan_bits);
+          std::fill_n(&hv[o], d, inf_bits);
+        }
+    }
     dk = Dev<uint16_t>(hk);
     dv = Dev<uint16_t>(hv);
     d_indptr = Dev<int32_t>(indptr);

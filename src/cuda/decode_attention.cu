@@ -326,30 +326,36 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
     const int32_t e = __shfl_sync(kFull, ids_cur, m & 31);
     if (e == kBadEntry) {  // read nothing
       bad_page = true;
-      off = 0;
-      len = 0;
+      off = 0;  // page 0 instead (see load_k)
+      len = kPageSize;
       return;
     }
     len = e < 0 ? last_len : kPageSize;
     off = (size_t(e & 0x7fffffff) * H + h) * size_t(kPageSize) * D;
   };
+  // The loads take one pointer per page plus offsets fixed per lane (K row g chunk t, V row 2t chunk
+  // g, in uint4 units), with no per-register predicates: per-load 64-bit address arithmetic and zero
+  // fills were a large part of the page loop. K reads every row, also past a partial page's length
+  // (those rows are in the pool, stale, and their scores are masked before the softmax); V's rows
+  // past it read the page's last row (their P is 0, and a stale row could hold a non-finite value:
+  // 0 * inf is NaN). A bad entry reads page 0 (page_of), and its warp's state becomes NaN.
   uint4 kr[2][NKC], vr[4][NVC];
-  auto load_k = [&](size_t off, int len) {
+  const int k_lane = g * (D / 8) + t, v_lane = 2 * t * (D / 8) + g;
+  auto load_k = [&](size_t off) {
+    const uint4* src = reinterpret_cast<const uint4*>(kpool + off) + k_lane;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int tok = g + 8 * r;
-      const uint4* src = reinterpret_cast<const uint4*>(kpool + off + size_t(tok) * D);
+    for (int r = 0; r < 2; ++r)
 #pragma unroll
-      for (int i = 0; i < NKC; ++i) kr[r][i] = tok < len ? __ldcs(src + 4 * i + t) : make_uint4(0u, 0u, 0u, 0u);
-    }
+      for (int i = 0; i < NKC; ++i) kr[r][i] = __ldcs(src + r * D + 4 * i);  // row g + 8r, chunk 4i + t
   };
   auto load_v = [&](size_t off, int len) {
+    const uint4* src = reinterpret_cast<const uint4*>(vpool + off) + v_lane;
+    const int lim = len - 1 - 2 * t;  // the last row, relative to row 2t
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      const int tok = 2 * t + (r & 1) + 8 * (r >> 1);
-      const uint4* src = reinterpret_cast<const uint4*>(vpool + off + size_t(tok) * D);
+      const int rel = min((r & 1) + 8 * (r >> 1), lim);  // row 2t, 2t+1, 2t+8 or 2t+9, at most len - 1
 #pragma unroll
-      for (int u = 0; u < NVC; ++u) vr[r][u] = tok < len ? __ldcs(src + g + 8 * u) : make_uint4(0u, 0u, 0u, 0u);
+      for (int u = 0; u < NVC; ++u) vr[r][u] = __ldcs(src + rel * (D / 8) + 8 * u);
     }
   };
 
@@ -357,7 +363,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
   int len = 0;
   if (n_mine > 0) {
     page_of(0, off, len);
-    load_k(off, len);
+    load_k(off);
     load_v(off, len);
   }
   for (int m = 0; m < n_mine; ++m) {
@@ -388,7 +394,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
         sc1[e] += sl1[e];
       }
     }
-    if (more) load_k(noff, nlen);  // next page's K while this one finishes
+    if (more) load_k(noff);  // next page's K while this one finishes
 
     // Online softmax per head row; this lane holds tokens 2t, 2t+1, 8+2t, 9+2t.
     const bool valid[4] = {2 * t < cur_len, 2 * t + 1 < cur_len, 8 + 2 * t < cur_len, 9 + 2 * t < cur_len};
