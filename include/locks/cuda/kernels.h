@@ -74,7 +74,9 @@ struct PagedKvView {
   const int32_t* indptr = nullptr;         // [batch + 1]
   const int32_t* indices = nullptr;        // [indptr[batch]] page ids
   const int32_t* last_page_len = nullptr;  // [batch], 1..16
-  int n_pages_pool = 0;  // page ids must be < n_pages_pool; 0: not checked (the decode steps then use theirs)
+  // Page ids must be < n_pages_pool; 0: not checked (the decode steps then use theirs). The attention
+  // kernels read page 0 in place of a bad entry (and discard it), so a pool is at least one page.
+  int n_pages_pool = 0;
 };
 
 // ----------------------------------------------------------------------------------------------
