@@ -324,7 +324,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
       ids_nxt = ids_of((m >> 5) + 1);
     }
     const int32_t e = __shfl_sync(kFull, ids_cur, m & 31);
-    if (e == kBadEntry) {  // read nothing
+    if (e == kBadEntry) {  // its page is not read
       bad_page = true;
       off = 0;  // page 0 instead (see load_k)
       len = kPageSize;
