@@ -110,3 +110,23 @@ TEST(ModelReference, NanWeightsNameTheModel) {
         << e.what();
   }
 }
+
+// A model whose context length is beyond what a session reserves is refused with the way out
+// (a context size), and runs with one.
+TEST(ModelReference, HugeModelContextAsksForAContextSize) {
+  LlamaModel model = LlamaModel::from_gguf(GgufFile::open(test::source_path("models/locks-ref-a-q8_0.gguf")));
+  model.hp.n_ctx_train = 1 << 30;
+  try {
+    Session s(model, SessionConfig{});
+    FAIL() << "a 2^30-token context was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("the model's context length 1073741824 is outside [1, 2^26] tokens: set a "
+                                         "context size"),
+              std::string::npos)
+        << e.what();
+  }
+  SessionConfig sc;
+  sc.n_ctx = 256;
+  Session s(model, sc);
+  EXPECT_EQ(s.n_ctx(), 256);
+}

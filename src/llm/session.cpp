@@ -85,7 +85,11 @@ Session::Session(const LlamaModel& model, const SessionConfig& cfg)
         c.head_dim = model.hp.head_dim;
         c.page_size = 16;
         if (n_ctx_ <= 0 || n_ctx_ > kMaxContextTokens)
-          throw std::invalid_argument(fmt::format("context size {} outside [1, 2^26] tokens", n_ctx_));
+          throw std::invalid_argument(
+              cfg.n_ctx > 0 ? fmt::format("context size {} outside [1, 2^26] tokens", n_ctx_)
+                            : fmt::format("the model's context length {} is outside [1, 2^26] tokens: set a context "
+                                          "size (SessionConfig::n_ctx; `locks run -c`)",
+                                          n_ctx_));
         c.n_pages = (n_ctx_ + c.page_size - 1) / c.page_size;
         c.dtype = cfg.kv_dtype;
         return c;
