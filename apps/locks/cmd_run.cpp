@@ -86,7 +86,6 @@ int run(const RunArgs& a) {
                                         "context size of {} token{}",
                                         prompt.size(), min_tokens, min_tokens == 1 ? "" : "s", a.max_tokens, n_ctx,
                                         n_ctx == 1 ? "" : "s"));
-  const std::vector<int32_t> ids = model.tokenizer.encode(prompt, model.tokenizer.add_bos());
 
   // Options a selector does not use would silently not apply (eval refuses them in a selector spec).
   auto ignored = [&](bool given, const char* opt, bool applies) {
@@ -113,7 +112,8 @@ int run(const RunArgs& a) {
   if (a.n_ctx > model.hp.n_ctx_train)
     fmt::print(stderr, "[locks] warning: context {} tokens exceeds the model's training context of {}\n", a.n_ctx,
                model.hp.n_ctx_train);
-  Session session(model, sc);
+  Session session(model, sc);  // before tokenizing: a context or budget it refuses is refused at once
+  const std::vector<int32_t> ids = model.tokenizer.encode(prompt, model.tokenizer.add_bos());
 
   GenerateOptions go;
   go.max_tokens = a.max_tokens;
