@@ -798,6 +798,25 @@ TEST(PageSummary, FormatBytesAndValidation) {
             "page summary store: (layer 0, KV head 0, page id 5000000) outside [0, 1) x [0, 2) x [0, 16)");
   EXPECT_EQ(test::error_of<std::out_of_range>([&] { (void)store.load(0, 2, 0); }),
             "page summary store: (layer 0, KV head 2, page id 0) outside [0, 1) x [0, 2) x [0, 16)");
+  // A page with no stored summary is refused by load and score (it would read zeros: log B for every
+  // query); stored, it scores; cleared, it is refused again.
+  PageSummaryStore st(shipped, 1, 2, 16, B, d);
+  std::vector<float> q(size_t(d), 0.5f);
+  float out[1];
+  EXPECT_EQ(test::error_of<std::logic_error>([&] { st.score(0, 1, 3, q.data(), 1, 0.125f, out); }),
+            "page summary store: no summary stored for (layer 0, KV head 1, page id 3)");
+  EXPECT_EQ(test::error_of<std::logic_error>([&] { (void)st.load(0, 1, 3); }),
+            "page summary store: no summary stored for (layer 0, KV head 1, page id 3)");
+  std::mt19937 rng(5);
+  std::normal_distribution<float> N(0.0f, 1.0f);
+  std::vector<float> keys(size_t(B) * d);
+  for (auto& x : keys) x = N(rng);
+  const PageSummaryF32 f = build_page_summary(keys.data(), B, d, shipped.rank);
+  st.store(0, 1, 3, f);
+  st.score(0, 1, 3, q.data(), 1, 0.125f, out);
+  EXPECT_NEAR(out[0], summary_log_mass(st.load(0, 1, 3), q.data(), d, 0.125f), 1e-3f);
+  st.clear(0, 1, 3);
+  EXPECT_THROW(st.score(0, 1, 3, q.data(), 1, 0.125f, out), std::logic_error);
   try {
     SummaryFormat{8, 3, 8, 8}.validate(B, d);
     FAIL() << "basis bits 3 accepted";

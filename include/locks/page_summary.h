@@ -62,7 +62,8 @@ float exact_log_mass(const float* keys, int n_tok, const float* q, int d, float 
 
 /// Structure-of-arrays store of quantized summaries for every (layer, KV head, page id), laid out
 /// [layer][kv_head][page] per field so a score pass over one head's pages is a linear walk. Every
-/// accessor throws std::out_of_range for a layer, KV head or page id outside the store.
+/// accessor throws std::out_of_range for a layer, KV head or page id outside the store; load and
+/// score throw std::logic_error for a page with no stored summary (never stored, or cleared).
 class PageSummaryStore {
  public:
   PageSummaryStore() = default;
@@ -90,6 +91,7 @@ class PageSummaryStore {
     return (static_cast<size_t>(il) * n_head_kv_ + kv_head) * n_pages_ + page;
   }
   [[noreturn]] void index_error(int il, int kv_head, int32_t page) const;
+  size_t stored_index(int il, int kv_head, int32_t page) const;  // index(), and the summary must be stored
   void dequant_basis(size_t idx, float* out) const;  // [r][d]
 
   SummaryFormat fmt_;

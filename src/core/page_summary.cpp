@@ -289,6 +289,14 @@ void PageSummaryStore::index_error(int il, int kv_head, int32_t page) const {
                                       il, kv_head, page, n_layer_, n_head_kv_, n_pages_));
 }
 
+size_t PageSummaryStore::stored_index(int il, int kv_head, int32_t page) const {
+  const size_t idx = index(il, kv_head, page);
+  if (!valid_[idx])
+    throw std::logic_error(
+        fmt::format("page summary store: no summary stored for (layer {}, KV head {}, page id {})", il, kv_head, page));
+  return idx;
+}
+
 PageSummaryStore::PageSummaryStore(const SummaryFormat& fmt, int n_layer, int n_head_kv, int n_pages, int page_size,
                                    int head_dim)
     : fmt_(fmt), n_layer_(n_layer), n_head_kv_(n_head_kv), n_pages_(n_pages), B_(page_size), d_(head_dim) {
@@ -370,7 +378,7 @@ void PageSummaryStore::dequant_basis(size_t idx, float* out) const {
 }
 
 PageSummaryF32 PageSummaryStore::load(int il, int kv_head, int32_t page) const {
-  const size_t idx = index(il, kv_head, page);
+  const size_t idx = stored_index(il, kv_head, page);
   const int r = fmt_.rank, d = d_;
   PageSummaryF32 s;
   s.basis.resize(size_t(r) * d);
@@ -393,7 +401,7 @@ PageSummaryF32 PageSummaryStore::load(int il, int kv_head, int32_t page) const {
 
 void PageSummaryStore::score(int il, int kv_head, int32_t page, const float* q, int n_group, float scale,
                              float* out) const {
-  const size_t idx = index(il, kv_head, page);
+  const size_t idx = stored_index(il, kv_head, page);
   const int r = fmt_.rank, d = d_;
   if (n_group > kMaxGroup) throw std::invalid_argument("page summary score: GQA group too large");
   alignas(64) float mu[kMaxHeadDim];
