@@ -16,6 +16,7 @@
 #include "locks/model.h"
 #include "locks/session.h"
 #include "test_paths.h"
+#include "test_util.h"
 
 using namespace locks;
 
@@ -129,4 +130,31 @@ TEST(ModelReference, HugeModelContextAsksForAContextSize) {
   sc.n_ctx = 256;
   Session s(model, sc);
   EXPECT_EQ(s.n_ctx(), 256);
+}
+
+// Session entry points refuse what they would otherwise silently reinterpret: a negative context
+// size (0 means the model's), a prepared selector other than the one the fork config names, and
+// generate() on a session that already holds tokens.
+TEST(ModelReference, SessionRefusesMisusedEntryPoints) {
+  const LlamaModel model = LlamaModel::from_gguf(GgufFile::open(test::source_path("models/locks-ref-a-q8_0.gguf")));
+  SessionConfig neg;
+  neg.n_ctx = -1;
+  EXPECT_EQ(test::error_of<std::invalid_argument>([&] { Session s(model, neg); }),
+            "context size -1 outside [1, 2^26] tokens");
+  SessionConfig sc;
+  sc.n_ctx = 512;
+  Session s(model, sc);
+  s.prefill(std::vector<int32_t>{1, 5, 6, 7, 8});
+  SessionConfig quest = sc;
+  quest.selector = "quest";
+  const std::unique_ptr<Selector> prepared = s.prepare_selector(quest);
+  SessionConfig locks_cfg = sc;
+  locks_cfg.selector = "locks";
+  EXPECT_EQ(test::error_of<std::invalid_argument>([&] { (void)s.fork(locks_cfg, *prepared); }),
+            "fork: the prepared selector is 'quest', the config names 'locks'");
+  EXPECT_NO_THROW((void)s.fork(quest, *prepared));
+  GenerateOptions go;
+  go.max_tokens = 2;
+  EXPECT_EQ(test::error_of<std::logic_error>([&] { (void)generate(s, {1, 2}, go); }),
+            "generate: the session already holds 5 tokens (generate starts a fresh one)");
 }

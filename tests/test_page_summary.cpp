@@ -792,6 +792,8 @@ TEST(PageSummary, FormatBytesAndValidation) {
   EXPECT_THROW((SummaryFormat{8, 4, 8, 2}.validate(B, d)), std::invalid_argument);
   EXPECT_NO_THROW((SummaryFormat{16, 2, 8, 32}.validate(B, d)));
   EXPECT_THROW(PageSummaryStore(SummaryFormat{0, 4, 8, 8}, 1, 1, 1, B, d), std::invalid_argument);
+  EXPECT_EQ(test::error_of<std::invalid_argument>([&] { PageSummaryStore(shipped, -1, 2, 16, B, d); }),
+            "page summary store: -1 layers x 2 KV heads x 16 pages (each must be >= 1)");
   // Indices outside the store are named, never read.
   const PageSummaryStore store(shipped, 1, 2, 16, B, d);
   EXPECT_EQ(test::error_of<std::out_of_range>([&] { (void)store.has(0, 0, 5000000); }),

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "locks/sampler.h"
+#include "test_util.h"
 
 using namespace locks;
 
@@ -59,6 +60,7 @@ TEST(Sampler, RejectsBadInput) {
   // Every logit -inf: no token has any probability.
   EXPECT_THROW(s.sample(std::vector<float>{-INFINITY, -INFINITY}), std::runtime_error);
   EXPECT_THROW(Sampler({0.0f, 1.0f, 0}).sample(std::vector<float>{-INFINITY, -INFINITY}), std::runtime_error);
+  EXPECT_EQ(test::error_of<std::invalid_argument>([] { (void)argmax(std::vector<float>{}); }), "argmax: no logits");
 }
 
 // +inf logits: the limit of the tempered softmax puts all the mass on them, in equal shares.

@@ -163,6 +163,12 @@ TEST(Selector, TopPagesEmptyAndSinglePage) {
   const float lm[4] = {1.0f, -2.0f, 3.0f, 0.0f};
   select_top_pages(lm, 4, 1, 8, GroupRule::kShareAverage, out);
   EXPECT_EQ(out, std::vector<int32_t>{0});
+  // Estimates that are not there are refused, not read.
+  EXPECT_EQ(test::error_of<std::invalid_argument>(
+                [&] { select_top_pages(nullptr, 1, 4, 3, GroupRule::kShareAverage, out); }),
+            "select_top_pages: no log-mass estimates (null) for 4 pages");
+  EXPECT_EQ(test::error_of<std::invalid_argument>([&] { select_top_pages(lm, 0, 4, 3, GroupRule::kShareAverage, out); }),
+            "select_top_pages: GQA group of 0 heads for 4 pages");
 }
 
 TEST(Selector, TopPagesTiesBreakTowardLowerIndex) {
@@ -497,6 +503,18 @@ TEST(Selector, RequestsOutsideTheCacheThrow) {
               fmt::format("on_pages_filled: page id {} outside the pool [0, {})", sc.cfg.n_pages, sc.cfg.n_pages));
     EXPECT_EQ(test::error_of<std::out_of_range>([&] { sel->on_pages_filled(*sc.cache, sc.cfg.n_layer, {}); }),
               fmt::format("on_pages_filled: layer {} outside [0, {})", sc.cfg.n_layer, sc.cfg.n_layer));
+    // A page of the pool that no sequence holds (its K was never written: metadata from zeros).
+    {
+      ASSERT_GT(sc.cache->n_free_pages(), 0);
+      int32_t free_page = -1;
+      for (int32_t p = 0; p < sc.cfg.n_pages && free_page < 0; ++p)
+        if (std::find(sc.seq.page_table.begin(), sc.seq.page_table.end(), p) == sc.seq.page_table.end() &&
+            std::find(sc.other.page_table.begin(), sc.other.page_table.end(), p) == sc.other.page_table.end())
+          free_page = p;
+      EXPECT_EQ(test::error_of<std::out_of_range>(
+                    [&] { sel->on_pages_filled(*sc.cache, 0, std::vector<int32_t>{free_page}); }),
+                fmt::format("on_pages_filled: page id {} is not in use (released, or not from this pool)", free_page));
+    }
     SelectionRequest req;
     req.q = q.data();
     req.n_group = 2;

@@ -12,6 +12,7 @@
 #include "locks/gguf.h"
 #include "locks/tokenizer.h"
 #include "test_paths.h"
+#include "test_util.h"
 
 namespace locks {
 namespace {
@@ -91,6 +92,8 @@ TEST_P(TokenizerModels, PiecesAndSpecialIds) {
     }
   }
   EXPECT_THROW(tok_->token_to_piece(tok_->n_vocab()), std::runtime_error);
+  EXPECT_EQ(test::error_of<std::out_of_range>([&] { (void)tok_->piece(-1); }),
+            "tokenizer: token id -1 out of range (vocab " + std::to_string(tok_->n_vocab()) + ")");
   const std::vector<int32_t> bad_ids{5, -1};
   EXPECT_THROW(tok_->decode(bad_ids), std::runtime_error);
 }

@@ -31,7 +31,8 @@ struct GenerateResult {
 /// id as it is produced, for streaming. Throws std::invalid_argument for an empty prompt, negative
 /// max_tokens, or a decode_tail that is negative or leaves no token to prefill; std::length_error
 /// when the prompt plus max_tokens - 1 (the last token is sampled, never stored) exceed the session's
-/// context; and whatever Session throws (bad ids).
+/// context; std::logic_error when the session already holds tokens; and whatever Session throws
+/// (bad ids).
 GenerateResult generate(Session& session, const std::vector<int32_t>& prompt_ids, const GenerateOptions& opts,
                         const std::function<void(int32_t)>& on_token = {});
 

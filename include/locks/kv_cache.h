@@ -60,6 +60,8 @@ class PagedKvCache {
   void check_page_position(const char* what, const KvSequence& seq, int32_t j) const;
   /// Throws std::out_of_range naming `what` unless 0 <= page < n_pages.
   void check_page_id(const char* what, int32_t page) const;
+  /// check_page_id, and std::out_of_range unless a sequence holds the page.
+  void check_page_in_use(const char* what, int32_t page) const;
   /// Throws std::invalid_argument naming `what` unless seq's length fits its page table (only the last
   /// page partial, none empty) and, with `ids`, std::out_of_range unless every page id is one of this
   /// pool's pages in use. O(1), or O(pages) with `ids`.

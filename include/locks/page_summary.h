@@ -67,6 +67,8 @@ float exact_log_mass(const float* keys, int n_tok, const float* q, int d, float 
 class PageSummaryStore {
  public:
   PageSummaryStore() = default;
+  /// Throws std::invalid_argument for n_layer, n_head_kv or n_pages < 1, or a format that
+  /// SummaryFormat::validate refuses for this page size and head_dim.
   PageSummaryStore(const SummaryFormat& fmt, int n_layer, int n_head_kv, int n_pages, int page_size, int head_dim);
 
   const SummaryFormat& format() const { return fmt_; }

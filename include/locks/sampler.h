@@ -26,7 +26,7 @@ class Sampler {
   std::mt19937_64 rng_;
 };
 
-/// argmax with ties to the lower index.
+/// argmax with ties to the lower index. Throws std::invalid_argument for empty logits.
 int32_t argmax(std::span<const float> logits);
 
 }  // namespace locks

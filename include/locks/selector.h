@@ -59,8 +59,9 @@ class Selector {
  public:
   virtual ~Selector() = default;
   virtual std::string name() const = 0;
-  /// Pages just filled in layer `il` (their K is final), as page ids of the pool. Selectors build
-  /// per-page metadata here. Throws std::out_of_range for a layer or page id outside the cache.
+  /// Pages just filled in layer `il` (their K is final: every one of its page_size tokens written;
+  /// the cache cannot tell), as page ids of the pool. Selectors build per-page metadata here. Throws
+  /// std::out_of_range for a layer or page id outside the cache, or a page no sequence holds.
   void on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids);
   /// Choose the pages for one GQA group: always page 0 (sink) and the last page (recent), at most
   /// max(budget_pages, 2) pages. Throws std::invalid_argument for a request without q or sequence,
@@ -120,6 +121,7 @@ std::vector<std::string> selector_names();
 /// shares (softmax over pages), combine them by `rule`, and keep the sink page, the recent page and
 /// the top-(k-2) others. Ties break toward the lower page index. Pages with -inf estimates get
 /// share 0. Output ascending. `scores_out`, when non-null, receives the combined score per page.
+/// Throws std::invalid_argument for a null `log_mass` or n_group < 1 (with n_pages > 0).
 void select_top_pages(const float* log_mass, int n_group, int n_pages, int budget_pages, GroupRule rule,
                       std::vector<int32_t>& out, std::vector<float>* scores_out = nullptr);
 

@@ -19,7 +19,7 @@ namespace locks {
 constexpr int kMaxContextTokens = 1 << 26;
 
 struct SessionConfig {
-  int n_ctx = 0;                  // max tokens; 0 = the model's training context
+  int n_ctx = 0;                  // max tokens; 0 = the model's training context (negative: refused)
   KvDtype kv_dtype = KvDtype::F16;
   std::string selector = "full";  // see selector_names()
   int budget_tokens = 512;        // b = k * B tokens per KV head (multiple of B, >= 2B)
@@ -40,7 +40,7 @@ struct DecodeTotals {
 class Session {
  public:
   /// Throws std::invalid_argument for a bad budget (not a multiple of the page size or < 2 pages),
-  /// an unknown selector, or n_ctx <= 0 / beyond what the pool can address.
+  /// an unknown selector, or a context (cfg.n_ctx, or the model's when it is 0) outside [1, 2^26].
   Session(const LlamaModel& model, const SessionConfig& cfg);
   Session(const Session& other);
   /// A copy of this session's sequence (cache and last logits) that decodes with another selector
@@ -54,6 +54,7 @@ class Session {
   std::unique_ptr<Selector> prepare_selector(const SessionConfig& cfg) const;
   /// fork(cfg) with a clone of `prepared` (prepare_selector(cfg) on this session, same selector and
   /// options; the sequence unchanged since) as the new selector; same result, no metadata build.
+  /// Throws std::invalid_argument when `prepared` is not the selector cfg.selector names.
   Session fork(const SessionConfig& cfg, const Selector& prepared) const;
   Session& operator=(const Session&) = delete;
 

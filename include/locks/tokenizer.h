@@ -35,7 +35,8 @@ class Tokenizer {
   int32_t eos() const { return eos_; }
   int32_t unk() const { return unk_; }
   bool add_bos() const { return add_bos_; }
-  const std::string& piece(int32_t id) const { return pieces_.at(static_cast<size_t>(id)); }
+  /// The vocabulary entry of `id` as stored. Throws std::out_of_range for an id outside the vocabulary.
+  const std::string& piece(int32_t id) const;
   /// A lower bound on encode(text, false).size() without encoding (O(text) bytes, no allocation):
   /// the bytes left after the whitespace squeeze (when the vocabulary squeezes), divided by the most
   /// bytes of text one token covers (a "▁" in a piece stands for one space; at least 4, the bytes of

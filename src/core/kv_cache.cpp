@@ -132,11 +132,13 @@ void PagedKvCache::check_sequence(const char* what, const KvSequence& seq, bool 
     throw std::invalid_argument(fmt::format("{}: a sequence of {} tokens cannot have {} pages of {} tokens", what,
                                             seq.n_tokens, n, B));
   if (!ids) return;
-  for (int32_t id : seq.page_table) {
-    check_page_id(what, id);
-    if (!in_use_[size_t(id)])
-      throw std::out_of_range(fmt::format("{}: page id {} is not in use (released, or not from this pool)", what, id));
-  }
+  for (int32_t id : seq.page_table) check_page_in_use(what, id);
+}
+
+void PagedKvCache::check_page_in_use(const char* what, int32_t page) const {
+  check_page_id(what, page);
+  if (!in_use_[size_t(page)])
+    throw std::out_of_range(fmt::format("{}: page id {} is not in use (released, or not from this pool)", what, page));
 }
 
 void PagedKvCache::page_error(int il, int32_t page, int kv_head) const {

@@ -300,6 +300,9 @@ size_t PageSummaryStore::stored_index(int il, int kv_head, int32_t page) const {
 PageSummaryStore::PageSummaryStore(const SummaryFormat& fmt, int n_layer, int n_head_kv, int n_pages, int page_size,
                                    int head_dim)
     : fmt_(fmt), n_layer_(n_layer), n_head_kv_(n_head_kv), n_pages_(n_pages), B_(page_size), d_(head_dim) {
+  if (n_layer < 1 || n_head_kv < 1 || n_pages < 1)
+    throw std::invalid_argument(fmt::format("page summary store: {} layers x {} KV heads x {} pages (each must be >= 1)",
+                                            n_layer, n_head_kv, n_pages));
   fmt.validate(page_size, head_dim);
   const size_t r = fmt.rank;
   basis_stride_ = fmt.basis_bits == 32 ? r * d_ * 4 : packed_bytes(r * d_, fmt.basis_bits);

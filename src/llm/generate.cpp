@@ -17,6 +17,9 @@ GenerateResult generate(Session& session, const std::vector<int32_t>& prompt_ids
                         const std::function<void(int32_t)>& on_token) {
   const int n_prompt = static_cast<int>(prompt_ids.size());
   if (n_prompt == 0) throw std::invalid_argument("empty prompt");
+  if (session.n_tokens() != 0)
+    throw std::logic_error(fmt::format("generate: the session already holds {} (generate starts a fresh one)",
+                                       tokens(session.n_tokens())));
   if (opts.decode_tail < 0 || opts.decode_tail >= n_prompt)
     throw std::invalid_argument(fmt::format("decode tail {} must be in [0, {}) for a prompt of {}",
                                             opts.decode_tail, n_prompt, tokens(n_prompt)));

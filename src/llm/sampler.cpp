@@ -11,6 +11,7 @@
 namespace locks {
 
 int32_t argmax(std::span<const float> logits) {
+  if (logits.empty()) throw std::invalid_argument("argmax: no logits");
   int32_t best = 0;
   for (size_t i = 1; i < logits.size(); ++i)
     if (logits[i] > logits[best]) best = int32_t(i);

@@ -77,7 +77,7 @@ void rope(float* v, int n_heads, int head_dim, int n_rot, int32_t pos, const std
 Session::Session(const LlamaModel& model, const SessionConfig& cfg)
     : model_(model),
       cfg_(cfg),
-      n_ctx_(cfg.n_ctx > 0 ? cfg.n_ctx : model.hp.n_ctx_train),
+      n_ctx_(cfg.n_ctx != 0 ? cfg.n_ctx : model.hp.n_ctx_train),
       cache_([&] {
         KvCacheConfig c;
         c.n_layer = model.hp.n_layer;
@@ -86,7 +86,7 @@ Session::Session(const LlamaModel& model, const SessionConfig& cfg)
         c.page_size = 16;
         if (n_ctx_ <= 0 || n_ctx_ > kMaxContextTokens)
           throw std::invalid_argument(
-              cfg.n_ctx > 0 ? fmt::format("context size {} outside [1, 2^26] tokens", n_ctx_)
+              cfg.n_ctx != 0 ? fmt::format("context size {} outside [1, 2^26] tokens", n_ctx_)
                             : fmt::format("the model's context length {} is outside [1, 2^26] tokens: set a context "
                                           "size (SessionConfig::n_ctx; `locks run -c`)",
                                           n_ctx_));
@@ -128,6 +128,9 @@ Session Session::fork(const SessionConfig& cfg) const {
 }
 
 Session Session::fork(const SessionConfig& cfg, const Selector& prepared) const {
+  if (prepared.name() != cfg.selector)
+    throw std::invalid_argument(fmt::format("fork: the prepared selector is '{}', the config names '{}'",
+                                            prepared.name(), cfg.selector));
   return fork_with(cfg, prepared.clone());
 }
 

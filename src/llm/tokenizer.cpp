@@ -297,6 +297,13 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_bos) cons
   return out;
 }
 
+const std::string& Tokenizer::piece(int32_t id) const {
+  if (id < 0 || id >= n_vocab())
+    throw std::out_of_range("tokenizer: token id " + std::to_string(id) + " out of range (vocab " +
+                            std::to_string(n_vocab()) + ")");
+  return pieces_[static_cast<size_t>(id)];
+}
+
 std::string Tokenizer::token_to_piece(int32_t id) const {
   if (id < 0 || id >= n_vocab()) {
     throw std::runtime_error("tokenizer: token id " + std::to_string(id) + " out of range (vocab " +

@@ -31,6 +31,11 @@ void select_top_pages(const float* log_mass, int n_group, int n_pages, int budge
                       std::vector<int32_t>& out, std::vector<float>* scores_out) {
   out.clear();
   if (n_pages <= 0) return;
+  if (!log_mass || n_group < 1)
+    throw std::invalid_argument(fmt::format("select_top_pages: {} for {} pages",
+                                            !log_mass ? std::string("no log-mass estimates (null)")
+                                                      : fmt::format("GQA group of {} heads", n_group),
+                                            n_pages));
   const int k = std::max(budget_pages, 2);
   std::vector<float> score(n_pages, 0.0f), share;
   // Per-head shares m_g(j) = softmax_j(log_mass[g][j]) (Eq. 5), combined across the group.

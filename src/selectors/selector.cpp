@@ -23,7 +23,7 @@ void Selector::check_cache(const char* what, const PagedKvCache& cache) const {
 void Selector::on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) {
   check_cache("on_pages_filled", cache);
   cache.check_layer_head("on_pages_filled", il);
-  for (int32_t id : page_ids) cache.check_page_id("on_pages_filled", id);
+  for (int32_t id : page_ids) cache.check_page_in_use("on_pages_filled", id);
   do_on_pages_filled(cache, il, page_ids);
 }
 
