@@ -438,6 +438,19 @@ TEST(Attention, IndicesOutsideTheCacheThrow) {
                                      nullptr);
             }),
             "paged_decode_attention: q and o must not be null");
+  // A non-finite query or scale would make every output NaN without saying why.
+  std::vector<float> q_bad = q;
+  q_bad[16 + 5] = NAN;
+  EXPECT_EQ(test::error_of<std::invalid_argument>([&] {
+              paged_decode_attention(*f.cache, 0, 0, f.seq, std::vector<int32_t>{0}, q_bad.data(), 2, 0.25f, o.data(),
+                                     nullptr);
+            }),
+            "paged_decode_attention: non-finite query at head 1, dim 5");
+  EXPECT_EQ(test::error_of<std::invalid_argument>([&] {
+              paged_decode_attention(*f.cache, 0, 0, f.seq, std::vector<int32_t>{0}, q.data(), 2, INFINITY, o.data(),
+                                     nullptr);
+            }),
+            "paged_decode_attention: scale inf");
   const auto qp = randn(rng, size_t(4) * 4 * 16);
   std::vector<float> out(qp.size());
   EXPECT_EQ(test::error_of<std::out_of_range>(

@@ -11,13 +11,14 @@ namespace locks {
 /// Decode attention of one GQA group over a list of pages (the sparse step of Alg. 2, or dense when
 /// `pages` lists every page). Exact softmax restricted to the listed pages, online log-sum-exp.
 ///   q:     [n_group][head_dim] float32 (post-RoPE)
-///   pages: positions in seq.page_table (any order; the last page may be partial)
+///   pages: positions in seq.page_table (any order, each at most once: a repeated position is
+///          attended twice; the last page may be partial)
 ///   o:     [n_group][head_dim] float32 output
 ///   lse:   [n_group] log-sum-exp of the scaled logits over the listed tokens (nullable)
 /// An empty page list gives o = 0 and lse = -inf (never NaN). Throws std::invalid_argument when
 /// page_size > 32 or page_size * head_dim > 8192 (the kernel's per-page buffers), n_group < 1, a null
-/// q or o, or a sequence whose length does not fit its page table, and std::out_of_range for a layer,
-/// KV head or page position outside the cache or sequence.
+/// q or o, a non-finite q or scale, or a sequence whose length does not fit its page table, and
+/// std::out_of_range for a layer, KV head or page position outside the cache or sequence.
 void paged_decode_attention(const PagedKvCache& cache, int il, int kv_head, const KvSequence& seq,
                             std::span<const int32_t> pages, const float* q, int n_group, float scale, float* o,
                             float* lse);
