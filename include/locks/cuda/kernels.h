@@ -232,6 +232,8 @@ cudaError_t select_pages(const SelectParams& p, cudaStream_t stream);
 /// empty page list gives o = 0 and lse = -inf. Bad input (see the top of this file; dense: more pages
 /// than n_splits * pages_per_split; sparse: n_selected < 0, or above selected_stride or
 /// n_splits * pages_per_split, kStatusBadPageCount) gives o = NaN and lse = NaN for the whole group.
+/// A non-finite q or scale is not checked on the device: it gives NaN outputs for its group (the CPU
+/// twin refuses it). A position listed twice is attended twice.
 /// Launch contract: grid (n_splits, n_head_kv, batch) x 128 threads (2 n_splits with group_halves
 /// and G > 8: CTAs 2s and 2s + 1 take heads [0, 8) and [8, G) of split s); split s handles list entries
 /// [s * pages_per_split, (s + 1) * pages_per_split). counters must be zero before the first launch;
