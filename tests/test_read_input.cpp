@@ -45,7 +45,8 @@ TEST(ReadInput, LargerThanTheLimitNamesTheInput) {
 }
 
 TEST(ReadInput, MissingFileAndDirectoryAreNamed) {
-  EXPECT_EQ(error_of("/nonexistent/locks-prompt.txt", 1 << 20), "cannot open prompt file '/nonexistent/locks-prompt.txt'");
+  EXPECT_EQ(error_of("/nonexistent/locks-prompt.txt", 1 << 20),
+            "cannot open prompt file '/nonexistent/locks-prompt.txt': No such file or directory");
   const std::string dir = std::filesystem::temp_directory_path().string();
   EXPECT_EQ(error_of(dir, 1 << 20), "prompt file '" + dir + "' is a directory");
 }

@@ -326,6 +326,10 @@ Runner add_bench(CLI::App& app) {
       throw CLI::ValidationError("--skip-model", "with --skip-attention leaves nothing to run");
     if (a->skip_model && !a->model.empty())
       throw CLI::ValidationError("--model", "does not apply with --skip-model (the model is not loaded)");
+    if (a->skip_attention && a->device != "cuda")  // the engine benchmark has its own shapes and timing
+      for (const CLI::Option* o : {o_ctx, o_kv, o_grp, o_hd, o_runs})
+        if (o->count() > 0)
+          throw CLI::ValidationError(o->get_name(), "applies to the attention benchmark, which --skip-attention skips");
     // ---- CUDA (`--device cuda`) ----
     if (a->device == "cuda") {
       // The kernels' shapes, checked before the device is touched (src/cuda: make_decode_plan).

@@ -149,13 +149,17 @@ int run(const RunArgs& a) {
     std::fputs("\n", stdout);
     std::fflush(stdout);
     const std::string budget = a.selector == "full" ? std::string("all pages") : fmt::format("{} tokens", a.budget);
-    fmt::print(stderr,
-               "[locks] selector={} budget={} | prompt {} tokens | prefill {:.2f} s ({:.0f} tok/s) | "
-               "decode {} step{}, {:.1f} tok/s | attention read/step {:.1f} KiB vs dense {:.1f} KiB "
-               "(ratio {:.3f}, {:.1f}x fewer)\n",
-               a.selector, budget, r.prompt_ids.size(), r.prefill_seconds, prefill_tps, r.decode.steps,
-               r.decode.steps == 1 ? "" : "s", decode_tps,
-               bytes_step / 1024.0, dense_step / 1024.0, ratio, ratio > 0 ? 1.0 / ratio : 0.0);
+    // No decode step (-n 0 or 1 with no decode tail): no per-step figures to report.
+    const std::string decode =
+        r.decode.steps == 0
+            ? std::string("decode 0 steps")
+            : fmt::format("decode {} step{}, {:.1f} tok/s | attention read/step {:.1f} KiB vs dense {:.1f} KiB "
+                          "(ratio {:.3f}, {:.1f}x fewer)",
+                          r.decode.steps, r.decode.steps == 1 ? "" : "s", decode_tps, bytes_step / 1024.0,
+                          dense_step / 1024.0, ratio, ratio > 0 ? 1.0 / ratio : 0.0);
+    fmt::print(stderr, "[locks] selector={} budget={} | prompt {} token{} | prefill {:.2f} s ({:.0f} tok/s) | {}\n",
+               a.selector, budget, r.prompt_ids.size(), r.prompt_ids.size() == 1 ? "" : "s", r.prefill_seconds,
+               prefill_tps, decode);
   }
   return 0;
 }

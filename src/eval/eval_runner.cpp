@@ -272,6 +272,11 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg,
 
   std::error_code ec;
   std::filesystem::create_directories(cfg.out_dir, ec);
+  if (!std::filesystem::is_directory(cfg.out_dir))
+    throw std::invalid_argument(fmt::format("output directory '{}': {}", cfg.out_dir,
+                                            std::filesystem::exists(cfg.out_dir) ? std::string("not a directory")
+                                            : ec                                 ? ec.message()
+                                                                                 : std::string("cannot create it")));
   remove_eval_report(cfg.out_dir);  // a reused directory: nothing of the previous run's report
   const std::string csv_path = cfg.out_dir + "/results.csv";
   std::ofstream csv(csv_path, std::ios::trunc);

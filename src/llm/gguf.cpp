@@ -7,6 +7,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdio>
+#include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -272,8 +273,11 @@ GgufFile GgufFile::open(const std::string& path) {
   struct stat st{};
   if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode))  // a device or pipe has no size (/dev/zero: "0 bytes")
     throw std::runtime_error("GGUF '" + path + (S_ISDIR(st.st_mode) ? "': is a directory" : "': not a regular file"));
+  errno = 0;
   std::ifstream in(path, std::ios::binary | std::ios::ate);
-  if (!in) throw std::runtime_error("GGUF '" + path + "': cannot open file");
+  if (!in)
+    throw std::runtime_error("GGUF '" + path + "': cannot open file" +
+                             (errno != 0 ? std::string(" (") + std::strerror(errno) + ")" : std::string()));
   const std::streamoff size = in.tellg();
   if (size < 0) throw std::runtime_error("GGUF '" + path + "': cannot determine file size");
   std::vector<uint8_t> bytes(static_cast<size_t>(size));

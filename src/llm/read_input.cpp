@@ -1,5 +1,7 @@
 #include "locks/read_input.h"
 
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -16,9 +18,13 @@ std::string read_input(const std::string& path, size_t max_bytes, const std::str
     throw std::runtime_error(fmt::format("{} '{}' is a directory", what, path));
   std::ifstream file;
   if (path != "-") {
+    errno = 0;
     file.open(path, std::ios::binary);
-    if (!file) throw std::runtime_error(fmt::format("cannot open {} '{}'", what, path));
+    if (!file)
+      throw std::runtime_error(fmt::format("cannot open {} '{}'{}", what, path,
+                                           errno != 0 ? std::string(": ") + std::strerror(errno) : std::string()));
   }
+  const std::string name = path == "-" ? what + " (standard input)" : what + " '" + path + "'";
   std::istream& in = path == "-" ? std::cin : file;
   std::string text;
   char buf[1 << 16];
@@ -26,11 +32,11 @@ std::string read_input(const std::string& path, size_t max_bytes, const std::str
     in.read(buf, sizeof buf);
     const size_t got = size_t(in.gcount());
     if (got > max_bytes - text.size())
-      throw std::runtime_error(fmt::format("{} '{}' is larger than {} MiB (an endless input such as /dev/zero?)",
-                                           what, path, max_bytes >> 20));
+      throw std::runtime_error(
+          fmt::format("{} is larger than {} MiB (an endless input such as /dev/zero?)", name, max_bytes >> 20));
     text.append(buf, got);
   }
-  if (in.bad()) throw std::runtime_error(fmt::format("cannot read {} '{}'", what, path));
+  if (in.bad()) throw std::runtime_error("cannot read " + name);
   return text;
 }
 
