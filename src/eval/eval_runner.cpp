@@ -354,26 +354,43 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg,
       break;
     }
 
+  auto task_seed_of = [&](int len, NeedleFamily fam, int c) {
+    return cfg.seed * 1000003ull + uint64_t(len) * 31ull + uint64_t(fam) * 7919ull + uint64_t(c);
+  };
+  // The tasks of context c of (length, family); the last one has every question and sizes the context.
+  auto build_tasks = [&](int len, NeedleFamily fam, int c) {
+    const uint64_t task_seed = task_seed_of(len, fam, c);
+    std::vector<NeedleTask> tasks;
+    tasks.push_back(make_needle_task(docs, model.tokenizer, fam, len, task_seed));
+    if (share && fam == NeedleFamily::kMultiQuery) {  // multikey: the same context, its first question only
+      NeedleTask mk = tasks.front();
+      mk.family = NeedleFamily::kMultiKey;
+      mk.questions.resize(1);
+      tasks.insert(tasks.begin(), std::move(mk));
+    }
+    // The builder adds whole corpus lines; one line longer than the length overshoots it.
+    const NeedleTask& task = tasks.back();
+    if (task.total_tokens() > len + 64 || task.total_tokens() > model.hp.n_ctx_train)
+      throw std::runtime_error(fmt::format(
+          "{} context {} has {} tokens for length {} (model context {}): a corpus line is longer than the length",
+          needle_family_name(fam), c, task.total_tokens(), len, model.hp.n_ctx_train));
+    return tasks;
+  };
+  // Every context is built (tokenized) once before the run, so that one the model cannot hold fails
+  // now, not after hours of the tasks before it.
+  for (int len : cfg.lengths)
+    for (NeedleFamily fam : families)
+      if (!(share && fam == NeedleFamily::kMultiKey))
+        for (int c = 0; c < cfg.contexts; ++c) (void)build_tasks(len, fam, c);
+
   for (int len : cfg.lengths) {
     for (NeedleFamily fam : families) {
       if (share && fam == NeedleFamily::kMultiKey) continue;  // runs with multiquery
       for (int c = 0; c < cfg.contexts; ++c) {
-        const uint64_t task_seed = cfg.seed * 1000003ull + uint64_t(len) * 31ull + uint64_t(fam) * 7919ull + c;
-        std::vector<NeedleTask> tasks;
-        tasks.push_back(make_needle_task(docs, model.tokenizer, fam, len, task_seed));
+        const uint64_t task_seed = task_seed_of(len, fam, c);
+        std::vector<NeedleTask> tasks = build_tasks(len, fam, c);
         const bool paired = share && fam == NeedleFamily::kMultiQuery;
-        if (paired) {  // multikey: the same context, its first question only
-          NeedleTask mk = tasks.front();
-          mk.family = NeedleFamily::kMultiKey;
-          mk.questions.resize(1);
-          tasks.insert(tasks.begin(), std::move(mk));
-        }
         const NeedleTask& task = tasks.back();  // the one with every question: sizes the context
-        // The builder adds whole corpus lines; one line longer than the length overshoots it.
-        if (task.total_tokens() > len + 64 || task.total_tokens() > model.hp.n_ctx_train)
-          throw std::runtime_error(fmt::format(
-              "{} context {} has {} tokens for length {} (model context {}): a corpus line is longer than the length",
-              needle_family_name(fam), c, task.total_tokens(), len, model.hp.n_ctx_train));
         if (progress)
           progress(
               done, total,
