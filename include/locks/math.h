@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -12,6 +13,14 @@
 namespace locks {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+/// Index of the first NaN or +-inf among x[0, n), or -1 when every element is finite (the entry
+/// points' input checks; each names the element in its own terms).
+inline std::ptrdiff_t first_non_finite(const float* x, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i)
+    if (!std::isfinite(x[i])) return std::ptrdiff_t(i);
+  return -1;
+}
 
 /// expf for x <= 0-ish softmax arguments (valid over the whole float range: underflows to 0,
 /// overflows to inf). Relative error < 2e-7. Branch-free so loops over it vectorize.

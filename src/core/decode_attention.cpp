@@ -28,10 +28,9 @@ void paged_decode_attention(const PagedKvCache& cache, int il, int kv_head, cons
   if (n_group < 1) throw std::invalid_argument(fmt::format("paged_decode_attention: n_group {} < 1", n_group));
   if (q == nullptr || o == nullptr) throw std::invalid_argument("paged_decode_attention: q and o must not be null");
   if (!std::isfinite(scale)) throw std::invalid_argument(fmt::format("paged_decode_attention: scale {}", scale));
-  for (int i = 0; i < n_group * d; ++i)
-    if (!std::isfinite(q[i]))
-      throw std::invalid_argument(
-          fmt::format("paged_decode_attention: non-finite query at head {}, dim {}", i / d, i % d));
+  if (const std::ptrdiff_t i = first_non_finite(q, size_t(n_group) * d); i >= 0)
+    throw std::invalid_argument(
+        fmt::format("paged_decode_attention: non-finite query at head {}, dim {}", i / d, i % d));
   for (int32_t j : pages) cache.check_page_position("paged_decode_attention", seq, j);
   alignas(64) float kbuf[kMaxPageElems];
   alignas(64) float vbuf[kMaxPageElems];

@@ -186,9 +186,8 @@ PageSummaryF32 build_page_summary(const float* keys, int n_tok, int d, int rank)
   if (rank < 1 || rank > kMaxPage)
     throw std::invalid_argument(fmt::format("page summary: rank {} outside [1, {}]", rank, kMaxPage));
   if (!keys) throw std::invalid_argument("page summary: null keys");
-  for (int i = 0; i < n_tok * d; ++i)
-    if (!std::isfinite(keys[i]))
-      throw std::invalid_argument(fmt::format("page summary: non-finite key at token {}, dim {}", i / d, i % d));
+  if (const std::ptrdiff_t i = first_non_finite(keys, size_t(n_tok) * d); i >= 0)
+    throw std::invalid_argument(fmt::format("page summary: non-finite key at token {}, dim {}", i / d, i % d));
 
   PageSummaryF32 s;
   // Alg. 1 line 1: centroid and centered keys (in float64: the Gram matrix squares magnitudes).

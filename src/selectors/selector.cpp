@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include "locks/math.h"
 #include "locks/selector.h"
 
 namespace locks {
@@ -36,9 +37,8 @@ void Selector::select(const PagedKvCache& cache, const SelectionRequest& req, Se
   cache.check_sequence("select", *req.seq, /*ids=*/true);
   // A NaN or inf query would rank every page by garbage (NaN scores compare false everywhere).
   const int d = cache.config().head_dim;
-  for (int i = 0; i < req.n_group * d; ++i)
-    if (!std::isfinite(req.q[i]))
-      throw std::invalid_argument(fmt::format("select: non-finite query at head {}, dim {}", i / d, i % d));
+  if (const std::ptrdiff_t i = first_non_finite(req.q, size_t(req.n_group) * d); i >= 0)
+    throw std::invalid_argument(fmt::format("select: non-finite query at head {}, dim {}", i / d, i % d));
   do_select(cache, req, out);
 }
 
