@@ -474,9 +474,10 @@ struct SelectOut {
 
 // chunk_stats (with n_chunks): the score pass's deferred statistics, merged into lse_total here.
 // candidates: with the share kernel's per-CTA candidate lists (as the decode step runs it).
+// cluster_pages: the one-kernel select (SelectParams::cluster_pages).
 SelectOut run_select_once(int B, int H, int G, const std::vector<int32_t>& indptr, const std::vector<float>& lm,
                           const std::vector<float>& lse_total, int stride, int k, const std::vector<float>* chunk_stats,
-                          int n_chunks, bool candidates) {
+                          int n_chunks, bool candidates, int cluster_pages = 0) {
   Dev<int32_t> dindptr(indptr), dsel(size_t(B) * H * k), dn(size_t(B) * H);
   Dev<float> dlm(lm), dlse(lse_total), dsh(size_t(B) * H * stride);
   Dev<float> dstats(chunk_stats ? *chunk_stats : std::vector<float>{});
@@ -484,6 +485,7 @@ SelectOut run_select_once(int B, int H, int G, const std::vector<int32_t>& indpt
   Dev<unsigned long long> dcand(size_t(B) * H * stride);
   Dev<int32_t> dncand(size_t(B) * H * ((stride + 1023) / 1024));
   dhist.fill_bytes(0);
+  dsh.fill_bytes(0x7f);  // positions without a page keep this in every way of running select
   dsel.fill_bytes(0xff);
   dcand.fill_bytes(0xff);   // stale entries must never be read
   dncand.fill_bytes(0x7f);  // nor stale counts (a huge count would read far out of a list)
@@ -510,6 +512,8 @@ SelectOut run_select_once(int B, int H, int G, const std::vector<int32_t>& indpt
     p.candidates = dcand.p;
     p.n_candidates = dncand.p;
   }
+  p.cluster_pages = cluster_pages;
+  if (cluster_pages) p.keys = nullptr, p.hist = nullptr;  // not used by the one-kernel select
   ck(lc::select_pages(p, nullptr), "select_pages");
   dev_sync();
   SelectOut o{dsel.down(), dn.down(), dsh.down(), dlse.down()};
@@ -518,17 +522,38 @@ SelectOut run_select_once(int B, int H, int G, const std::vector<int32_t>& indpt
   return o;
 }
 
-// Both ways (every key scanned; the candidate lists): the same selection, position for position.
+// Every way (every key scanned; the candidate lists; one kernel, as the plan sizes its clusters and with
+// the most CTAs per cluster): the same selection, position for position, and the same shares and
+// lse_total, bit for bit.
 SelectOut run_select(int B, int H, int G, const std::vector<int32_t>& indptr, const std::vector<float>& lm,
                      const std::vector<float>& lse_total, int stride, int k,
                      const std::vector<float>* chunk_stats = nullptr, int n_chunks = 0) {
   const SelectOut all = run_select_once(B, H, G, indptr, lm, lse_total, stride, k, chunk_stats, n_chunks, false);
   const SelectOut lists = run_select_once(B, H, G, indptr, lm, lse_total, stride, k, chunk_stats, n_chunks, true);
-  EXPECT_EQ(all.n_sel, lists.n_sel) << "select with candidate lists: n_selected";
-  for (int bh = 0; bh < B * H; ++bh)
-    for (int i = 0; i < std::max(0, all.n_sel[bh]); ++i)
-      EXPECT_EQ(all.sel[size_t(bh) * k + i], lists.sel[size_t(bh) * k + i])
-          << "select with candidate lists: (b, h) " << bh << " position " << i;
+  auto same = [&](const SelectOut& o, const std::string& how) {
+    EXPECT_EQ(all.n_sel, o.n_sel) << how << ": n_selected";
+    for (int bh = 0; bh < B * H; ++bh)
+      for (int i = 0; i < std::max(0, all.n_sel[bh]); ++i)
+        EXPECT_EQ(all.sel[size_t(bh) * k + i], o.sel[size_t(bh) * k + i]) << how << ": (b, h) " << bh << " position " << i;
+    for (size_t i = 0; i < all.shares.size(); ++i)
+      if (std::memcmp(&all.shares[i], &o.shares[i], sizeof(float)) != 0) {
+        ADD_FAILURE() << how << ": share " << i << " " << all.shares[i] << " vs " << o.shares[i];
+        break;
+      }
+    for (size_t i = 0; i < all.lse_total.size(); ++i)
+      if (std::memcmp(&all.lse_total[i], &o.lse_total[i], sizeof(float)) != 0) {
+        ADD_FAILURE() << how << ": lse_total " << i << " " << all.lse_total[i] << " vs " << o.lse_total[i];
+        break;
+      }
+  };
+  same(lists, "select with candidate lists");
+  const int fewest = (stride + lc::kClusterSelectPages - 1) / lc::kClusterSelectPages;
+  const int most = std::min(16, (stride + 31) / 32);
+  for (int clusters : {fewest, most}) {
+    const int pages = ((stride + clusters - 1) / clusters + 31) / 32 * 32;
+    same(run_select_once(B, H, G, indptr, lm, lse_total, stride, k, chunk_stats, n_chunks, false, pages),
+         "one-kernel select, " + std::to_string(pages) + " pages per CTA");
+  }
   return lists;
 }
 
@@ -1378,7 +1403,7 @@ TEST(CudaAttention, ListsBeyondTheLaunchAreBadInput) {
 
 // The whole LOCKS step through the plan (GPU-built summaries), eager and from a CUDA graph.
 // expect_defer: the plan must leave the lse_total merge to select_pages (>= 32 score chunks).
-// cluster: leave the plan's sparse cluster merge as it is (false: turn it off).
+// cluster: leave the plan's sparse cluster merge and one-kernel select as they are (false: turn both off).
 void run_step_test(World& w, int budget_pages, const char* what, bool expect_defer = false, bool balance = true,
                    bool cluster = true) {
   const auto q = w.queries(77);
@@ -1389,7 +1414,7 @@ void run_step_test(World& w, int budget_pages, const char* what, bool expect_def
   ck(lc::summary_build(w.build_params(dpages, int(pages.size()), drec.p), nullptr), "summary_build");
 
   lc::DecodePlan plan = lc::make_decode_plan(w.decode_shape(budget_pages), -1, balance);
-  if (!cluster) plan.sparse_cluster_merge = false;
+  if (!cluster) plan.sparse_cluster_merge = false, plan.select_cluster_pages = 0;
   EXPECT_EQ(plan.defer_lse_total, plan.score_equal_chunks >= 32);
   EXPECT_EQ(plan.score_balance, balance);
   EXPECT_EQ(plan.dense_balance, balance);
@@ -1450,9 +1475,11 @@ void run_step_test(World& w, int budget_pages, const char* what, bool expect_def
   const double rel = check_attention(w, q, {o1, dl.down()}, lists, what);
   std::printf(
       "[ step %s ] captured-mass shortfall vs CPU max %.2e, output rel err max %.2e, plan: score chunk %d, "
-      "sparse %d x %d pages%s\n",
+      "sparse %d x %d pages%s, select %s\n",
       what, worst_mass, rel, plan.score_chunk_pages, plan.sparse_splits, plan.sparse_pages_per_split,
-      plan.sparse_cluster_merge ? " (one cluster each)" : "");
+      plan.sparse_cluster_merge ? " (one cluster each)" : "",
+      plan.select_cluster_pages ? ("one kernel, " + std::to_string(plan.select_cluster_pages) + " pages per CTA").c_str()
+                                : "two kernels");
 
   // (3) CUDA graph: capture once, replay with new queries; equals the eager step.
   cudaStream_t st;
@@ -1490,12 +1517,13 @@ TEST(CudaDecodeStep, LocksStepMatchesCpuRandomPages) {
       World w(d, 2, G, {16 * 300 + 7, 16 * 90, 16 * 20 + 1}, lc::KvType::kF16, 500 + d + G);
       run_step_test(w, 32, "random");
       if (d == 128 && G != 6) run_step_test(w, 32, "random, no balancing", false, /*balance=*/false);
-      if (G != 16) run_step_test(w, 32, "random, no cluster merge", false, true, /*cluster=*/false);
+      if (G != 16 || d == 64) run_step_test(w, 32, "random, no clusters", false, true, /*cluster=*/false);
     }
   // A long sequence at batch 2: >= 32 score chunks, so the share kernel merges lse_total.
   for (int G : {4, 16}) {
     World w(128, 2, G, {16 * 1100 + 7, 16 * 40}, lc::KvType::kF16, 700 + G, false);
     run_step_test(w, 32, "random, deferred merge", /*expect_defer=*/true);
+    run_step_test(w, 32, "random, deferred merge, no clusters", /*expect_defer=*/true, true, /*cluster=*/false);
   }
 }
 

@@ -313,6 +313,17 @@ cudaError_t allow_dynamic_smem(size_t bytes) {
   return raise_func_attribute<Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize>(int(bytes));
 }
 
+// The launch attribute of clusters of `size` CTAs along x (sparse attention's cluster merge, the
+// one-kernel select).
+inline cudaLaunchAttribute cluster_dim_attr(int size) {
+  cudaLaunchAttribute a = {};
+  a.id = cudaLaunchAttributeClusterDimension;
+  a.val.clusterDim.x = unsigned(size);
+  a.val.clusterDim.y = 1;
+  a.val.clusterDim.z = 1;
+  return a;
+}
+
 // Kernel allowed clusters of more than 8 CTAs (up to 16 on the H100/H200).
 template <auto Kernel>
 cudaError_t allow_large_clusters() {

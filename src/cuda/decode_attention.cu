@@ -140,15 +140,6 @@ __device__ __forceinline__ SplitRange split_range_of_sequence(const AttentionPar
   return r;
 }
 
-// The launch attribute of clusters of `size` CTAs along x (AttentionParams::cluster_merge).
-inline cudaLaunchAttribute cluster_dim_attr(int size) {
-  cudaLaunchAttribute a = {};
-  a.id = cudaLaunchAttributeClusterDimension;
-  a.val.clusterDim.x = unsigned(size);
-  a.val.clusterDim.y = 1;
-  a.val.clusterDim.z = 1;
-  return a;
-}
 
 __device__ __forceinline__ uint32_t u4w(const uint4& v, int w) {
   return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;

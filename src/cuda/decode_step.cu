@@ -18,6 +18,7 @@ int attention_max_splits();
 int attention_ctas_per_sm(int head_dim, int group, KvType dtype, bool sparse);
 int attention_max_active_clusters(int head_dim, KvType dtype, int size);
 int score_ctas_per_sm(int head_dim, int group);
+int select_max_active_clusters(int group, bool merge, int size);
 
 namespace {
 
@@ -155,6 +156,15 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device, bool balance) {
   {
     const long share_ctas = bh * div_up(long(p.log_mass_stride), share_pages_per_cta());
     p.select_candidates = share_ctas <= long(p.n_sm) * share_ctas_per_sm(sh.group, p.defer_lse_total);
+  }
+  // Shares and selection in one kernel (SelectParams::cluster_pages) where every (sequence, KV head)'s
+  // cluster fits at once: the histograms and the threshold bin's keys cross the cluster through
+  // distributed shared memory instead of global memory and a second kernel.
+  {
+    const int clusters = div_up(p.log_mass_stride, kClusterSelectPages);
+    const int pages = int(align_up(size_t(div_up(p.log_mass_stride, clusters)), 32));
+    if (bh <= select_max_active_clusters(sh.group, p.defer_lse_total, clusters)) p.select_cluster_pages = pages;
+    if (p.select_cluster_pages) p.select_candidates = false;
   }
 
   // Attention: one wave of CTAs; at least one page per warp; at most max_splits splits.
@@ -310,6 +320,7 @@ SelectParams step_select_params(const DecodePlan& plan, const DecodeStepParams& 
   se.n_selected = at<int32_t>(p.workspace, plan.off_n_selected);
   se.pdl = plan.pdl;
   se.pdl_early_reads = plan.pdl;  // score_pages does not write the page table
+  se.cluster_pages = plan.select_cluster_pages;
   if (plan.defer_lse_total) {
     se.chunk_stats = at<float>(p.workspace, plan.off_chunk_stats);
     se.n_chunks = plan.score_chunks;

@@ -9,10 +9,9 @@
 // second 4096-bin histogram (bits 19..8) of the threshold bin while collecting its pages, narrows
 // again, and resolves the last few exactly by rank of the 64-bit key (share bits << 32 | ~index), so
 // equal shares go to the lower index (a radix select over the same key when many remain); the
-// result is read out of a bitmap in ascending order.
-#include <cub/block/block_scan.cuh>
-
-#include "common.cuh"
+// result is read out of a bitmap in ascending order. Where the decode plan finds room
+// (SelectParams::cluster_pages), one kernel does both: select_cluster.cu.
+#include "select_common.cuh"
 
 namespace locks::cuda {
 
@@ -21,8 +20,6 @@ namespace {
 using namespace detail;
 
 constexpr int kShareThreads = 256;
-constexpr int kSelectThreads = 1024;
-constexpr int kCandCap = 4096;
 
 constexpr int kSharePages = 4;  // consecutive pages per thread (16-byte loads)
 constexpr int kSharePagesPerCta = kShareThreads * kSharePages;
@@ -30,84 +27,7 @@ constexpr int kSharePagesPerCta = kShareThreads * kSharePages;
 // its keys, as it would without candidates.
 constexpr int kCandSpill = 512;
 
-// A page's 64-bit rank key: share bits above, ~index below, so that keys are distinct and equal
-// shares order the lower index first. page_of inverts it.
-__device__ __forceinline__ unsigned long long ranked(uint32_t key, int j) {
-  return (static_cast<unsigned long long>(key) << 32) | (0xffffffffu - uint32_t(j));
-}
-__device__ __forceinline__ int page_of(unsigned long long v) { return int(0xffffffffu - uint32_t(v & 0xffffffffu)); }
-
-// Within warp 0: given per-lane counts of 32 consecutive bin groups (lane L owns bins
-// [L * per, (L + 1) * per) of `bins`), find the highest bin b with count(bins >= b) >= need.
-// Returns (bin, count strictly above bin) on lane 0 via the out pointers.
-__device__ void find_threshold(const uint32_t* bins, int per, uint32_t need, int* out_bin, uint32_t* out_above) {
-  const int lane = threadIdx.x & 31;
-  uint32_t local = 0;
-  for (int e = 0; e < per; ++e) local += bins[lane * per + e];
-  uint32_t S = local;  // inclusive suffix sum over lanes
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const uint32_t v = __shfl_down_sync(kFull, S, o);
-    if (lane + o < 32) S += v;
-  }
-  const unsigned ballot = __ballot_sync(kFull, S >= need);
-  const int lstar = 31 - __clz(int(ballot));
-  if (lane == lstar) {
-    uint32_t above = S - local;
-    int bin = lane * per;
-    for (int e = per - 1; e >= 0; --e) {
-      const uint32_t cnt = bins[lane * per + e];
-      if (above + cnt >= need) {
-        bin = lane * per + e;
-        break;
-      }
-      above += cnt;
-    }
-    *out_bin = bin;
-    *out_above = above;
-  }
-}
-
-// Block-wide version for large histograms: every thread sums `per` bins from the top
-// (thread 0 owns the highest bins), a block scan gives the counts above, and the thread whose
-// range crosses `need` walks its bins. Results in *out_bin / *out_above (all threads after a sync).
-template <int kThreads>
-__device__ void block_find_threshold(const uint32_t* bins, int n_bins, uint32_t need, int* out_bin, uint32_t* out_above,
-                                     typename cub::BlockScan<uint32_t, kThreads>::TempStorage& tmp) {
-  const int per = n_bins / kThreads;
-  const int hi = n_bins - int(threadIdx.x) * per;  // this thread owns bins [hi - per, hi)
-  uint32_t local = 0;
-  for (int e = 1; e <= per; ++e) local += bins[hi - e];
-  uint32_t before = 0;  // bins above this thread's range
-  cub::BlockScan<uint32_t, kThreads>(tmp).ExclusiveSum(local, before);
-  if (before < need && before + local >= need) {
-    uint32_t above = before;
-    for (int e = 1; e <= per; ++e) {
-      const uint32_t c = bins[hi - e];
-      if (above + c >= need) {
-        *out_bin = hi - e;
-        *out_above = above;
-        break;
-      }
-      above += c;
-    }
-  }
-  __syncthreads();
-}
-
 static_assert(kHistBins % kSelectThreads == 0, "select threads load the histogram evenly");
-
-// A kernel's start: pages of sequence b, then the PDL wait for the previous kernel. With
-// pdl_early_reads the page-table load goes out before the wait (the score pass does not write it),
-// so that its round trip overlaps the previous kernel's tail instead of following it.
-__device__ __forceinline__ int page_count(const SelectParams& p, int b) {
-  int n = 0;
-  if (p.pdl_early_reads) n = p.indptr[b + 1] - p.indptr[b];
-  pdl_wait();
-  pdl_launch_dependents();
-  if (!p.pdl_early_reads) n = p.indptr[b + 1] - p.indptr[b];
-  return n;
-}
 
 // GT: the group size rounded up to 8 or 16, so that G <= 8 holds half the log-mass registers (48
 // instead of 80 registers: 5 instead of 3 CTAs per SM, more loads in flight). MERGE: lse_total from
@@ -134,11 +54,7 @@ __global__ void __launch_bounds__(kShareThreads) share_hist_kernel(SelectParams 
   // (read once; the score pass left them in the L2 with evict_last): H200, 1M tokens, 4 KV heads,
   // batch 8: select 42 -> 37 us.
   float4 lm[GT];
-  const float* col = p.log_mass + bh * p.group * p.log_mass_stride + j;
-#pragma unroll
-  for (int g = 0; g < GT; ++g)
-    lm[g] = g < p.group && j < n ? __ldcs(reinterpret_cast<const float4*>(col + size_t(g) * p.log_mass_stride))
-                                 : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  load_log_mass_rows(lm, p.log_mass + bh * p.group * p.log_mass_stride + j, 0, p.group, p.log_mass_stride, j < n);
   for (int i = threadIdx.x; i < kHistBins; i += kShareThreads) hist[i] = 0;
   if (threadIdx.x == 0) {
     loc_bin = 0;  // fewer keys here than the budget takes: every one is a candidate
@@ -166,23 +82,12 @@ __global__ void __launch_bounds__(kShareThreads) share_hist_kernel(SelectParams 
   for (int e = 0; e < kSharePages; ++e) loc_keys[threadIdx.x * kSharePages + e] = 0u;  // position 0, n - 1, >= n
   if (j < n) {
     float acc[kSharePages] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int g = 0; g < GT; ++g) {
-      const float lt = g < p.group ? lse2[g] : -INFINITY;
-      if (lt != -INFINITY) {
-        acc[0] += exp2f(fmaf(lm[g].x, kLog2e, -lt));
-        acc[1] += exp2f(fmaf(lm[g].y, kLog2e, -lt));
-        acc[2] += exp2f(fmaf(lm[g].z, kLog2e, -lt));
-        acc[3] += exp2f(fmaf(lm[g].w, kLog2e, -lt));
-      }
-    }
-    const float inv_g = 1.0f / float(p.group);
+    add_row_shares(acc, lm, lse2, 0, p.group);
 #pragma unroll
     for (int e = 0; e < kSharePages; ++e) {
       const int jj = j + e;
       if (jj < n) {
-        float share = acc[e] * inv_g;
-        if (!(share >= 0.0f)) share = 0.0f;  // NaN guard: never selected ahead of a real page
+        const float share = group_share(acc[e], p.group);
         if (p.shares) p.shares[bh * p.log_mass_stride + jj] = share;
         if (topk && jj >= 1 && jj <= n - 2) {
           const uint32_t key = __float_as_uint(share);
@@ -219,31 +124,6 @@ __global__ void __launch_bounds__(kShareThreads) share_hist_kernel(SelectParams 
     p.n_candidates[bh * gridDim.x + blockIdx.x] = loc_count <= kCandSpill ? loc_count : -1;
 }
 
-// The need-th largest (1-based) of src(i), i < count, by 8-bit radix passes from the top.
-template <class Src>
-__device__ unsigned long long radix_select_desc(Src src, int count, uint32_t need, uint32_t* rhist, int* sh_bin,
-                                                uint32_t* sh_above) {
-  unsigned long long prefix = 0, mask = 0;
-  for (int shift = 56; shift >= 0; shift -= 8) {
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) rhist[i] = 0;
-    __syncthreads();
-    for (int i = threadIdx.x; i < count; i += blockDim.x) {
-      const unsigned long long v = src(i);
-      if ((v & mask) == prefix) atomicAdd(&rhist[(v >> shift) & 255u], 1u);
-    }
-    __syncthreads();
-    if (threadIdx.x < 32) find_threshold(rhist, 8, need, sh_bin, sh_above);
-    __syncthreads();
-    need -= *sh_above;
-    prefix |= static_cast<unsigned long long>(*sh_bin) << shift;
-    mask |= 0xffull << shift;
-    __syncthreads();
-  }
-  return prefix;
-}
-
-constexpr int kSubBins = 4096;  // second-level histogram over share bits 19..8
-
 __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectParams p) {
   // Dynamic: hist [kSubBins] (the first kHistBins hold the main histogram, then the second level),
   // cand [kCandCap] (u64), bitmap [ceil(log_mass_stride / 32)].
@@ -255,6 +135,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectParams p) 
   __shared__ int sh_bin;
   __shared__ uint32_t sh_above;
   __shared__ int sh_ncand;
+  __shared__ unsigned long long sh_thr;
   using Scan = cub::BlockScan<int, kSelectThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ typename cub::BlockScan<uint32_t, kSelectThreads>::TempStorage uscan_tmp;
@@ -379,41 +260,14 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectParams p) 
   }
   __syncthreads();
   const int n_cand = sh_ncand;
-  // Second level: the sub-bin t2 of bits 19..8 inside the threshold bin.
-  block_find_threshold<kSelectThreads>(hist, kSubBins, need2, &sh_bin, &sh_above, uscan_tmp);
-  const uint32_t t2 = uint32_t(sh_bin);
-  const uint32_t need3 = need2 - sh_above;  // >= 1 to take from sub-bin t2
-  if (n_cand <= kSelectThreads) {
-    // Candidates above sub-bin t2 are in; inside t2 a candidate is in when fewer than need3 others
-    // of t2 beat it (the 64-bit keys are distinct).
-    if (threadIdx.x < n_cand) {
-      const unsigned long long v = cand[threadIdx.x];
-      const uint32_t sub = uint32_t(v >> 40) & (kSubBins - 1);
-      bool take = sub > t2;
-      if (sub == t2) {
-        uint32_t rank = 0;
-        for (int i = 0; i < n_cand; ++i) {
-          const unsigned long long u = cand[i];
-          rank += (uint32_t(u >> 40) & (kSubBins - 1)) == t2 && u > v;
-        }
-        take = rank < need3;
-      }
-      if (take) {
+  if (n_cand <= kCandCap) {
+    // Every candidate from the need2-th largest up is in (the 64-bit keys are distinct).
+    const unsigned long long thr = threshold_key(cand, n_cand, need2, hist, uscan_tmp, rhist, &sh_bin, &sh_above, &sh_thr);
+    for (int i = threadIdx.x; i < n_cand; i += kSelectThreads) {
+      const unsigned long long v = cand[i];
+      if (v >= thr) {
         const int j = page_of(v);
         atomicOr(&bitmap[j >> 5], 1u << (j & 31));
-      }
-    }
-  } else if (n_cand <= kCandCap) {
-    {
-      unsigned long long thr = 0;  // take every candidate >= thr
-      if (uint32_t(n_cand) > need2)
-        thr = radix_select_desc([&](int i) { return cand[i]; }, n_cand, need2, rhist, &sh_bin, &sh_above);
-      for (int i = threadIdx.x; i < n_cand; i += kSelectThreads) {
-        const unsigned long long v = cand[i];
-        if (v >= thr) {
-          const int j = page_of(v);
-          atomicOr(&bitmap[j >> 5], 1u << (j & 31));
-        }
       }
     }
   } else {
@@ -462,23 +316,9 @@ auto share_kernel_for(int group, bool merge) {
                     : (merge ? share_hist_kernel<kMaxGroup, true> : share_hist_kernel<kMaxGroup, false>);
 }
 
-template <class Kernel>
-cudaError_t launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, bool pdl, cudaStream_t stream,
-                   const SelectParams& p) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kernel, p);
-}
-
 }  // namespace
+
+cudaError_t select_pages_in_clusters(const SelectParams& p, cudaStream_t stream);  // select_cluster.cu
 
 size_t select_dynamic_smem(int log_mass_stride) {
   return sizeof(uint32_t) * (kSubBins + 2 * size_t(kCandCap) + size_t((log_mass_stride + 31) / 32));
@@ -502,10 +342,12 @@ int share_pages_per_cta() { return kSharePagesPerCta; }
 
 cudaError_t select_pages(const SelectParams& p, cudaStream_t stream) {
   if (p.batch <= 0 || p.n_head_kv <= 0) return cudaSuccess;
+  const bool one_kernel = p.cluster_pages != 0;
   if (p.group < 1 || p.group > kMaxGroup || p.budget_pages < 2 || p.log_mass_stride <= 0 || !p.indptr || !p.log_mass ||
-      !p.lse_total || !p.keys || !p.hist || !p.selected || !p.n_selected || (p.chunk_stats && p.n_chunks < 1) ||
-      (!p.candidates != !p.n_candidates))
+      !p.lse_total || (!one_kernel && (!p.keys || !p.hist)) || !p.selected || !p.n_selected ||
+      (p.chunk_stats && p.n_chunks < 1) || (!p.candidates != !p.n_candidates))
     return cudaErrorInvalidValue;
+  if (one_kernel) return select_pages_in_clusters(p, stream);
   const size_t dyn = select_dynamic_smem(p.log_mass_stride);
   cudaError_t e = allow_dynamic_smem<select_kernel>(dyn);
   if (e != cudaSuccess) return e;

@@ -187,6 +187,7 @@ cudaError_t score_pages(const ScoreParams& p, cudaStream_t stream);
 /// n_selected = -1 and no selection. Two kernels: shares +
 /// histogram (grid (ceil(stride / 256), n_head_kv, batch) x 256 threads) and select (grid (n_head_kv, batch) x 1024
 /// threads, one CTA per GQA group). hist must be zero before the first launch; left zero afterwards.
+/// With cluster_pages (below) one kernel instead: the same shares and selection, bit for bit.
 struct SelectParams {
   int batch = 0;
   int n_head_kv = 0;
@@ -219,7 +220,16 @@ struct SelectParams {
   /// first kernel fits in one wave (DecodePlan::select_candidates).
   unsigned long long* candidates = nullptr;
   int32_t* n_candidates = nullptr;
+  /// 0: the two kernels above. Otherwise one kernel: each (sequence, KV head) is one thread-block
+  /// cluster of C = ceil(log_mass_stride / cluster_pages) CTAs of 1024 threads (C <= 16), CTA r taking
+  /// pages [r * cluster_pages, (r + 1) * cluster_pages); the CTAs exchange their histograms, the
+  /// threshold bin's candidates and their counts through distributed shared memory (three cluster
+  /// barriers), so keys, hist and candidates are not used. cluster_pages: a multiple of 32, at most
+  /// kClusterSelectPages. The decode plan uses it where every cluster fits at once
+  /// (DecodePlan::select_cluster_pages).
+  int cluster_pages = 0;
 };
+constexpr int kClusterSelectPages = 4096;
 cudaError_t select_pages(const SelectParams& p, cudaStream_t stream);
 
 // ----------------------------------------------------------------------------------------------
@@ -319,6 +329,7 @@ struct DecodePlan {
   bool dense_balance = true;         // AttentionParams::balance_splits of the dense step
   int score_equal_chunks = 0;        // chunks per (sequence, KV head) when all have max_pages pages
   bool select_candidates = false;    // SelectParams::candidates (the share kernel fits in one wave); read-only
+  int select_cluster_pages = 0;      // SelectParams::cluster_pages (0: two kernels); read-only
   bool pdl = true;
   size_t workspace_bytes = 0;
   // Byte offsets inside the workspace.
