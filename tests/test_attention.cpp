@@ -462,4 +462,13 @@ TEST(Attention, IndicesOutsideTheCacheThrow) {
   EXPECT_EQ(test::error_of<std::invalid_argument>(
                 [&] { paged_prefill_attention(*f.cache, 0, f.seq, 0, 4, qp.data(), 3, 0.25f, out.data()); }),
             "paged_prefill_attention: n_head 3 is not a multiple of n_head_kv 2");
+  // As for decode: a non-finite query row or scale is named, not turned into NaN outputs.
+  std::vector<float> qp_bad = qp;
+  qp_bad[(2 * 4 + 3) * 16 + 7] = INFINITY;  // token 2, head 3, dim 7
+  EXPECT_EQ(test::error_of<std::invalid_argument>(
+                [&] { paged_prefill_attention(*f.cache, 0, f.seq, 10, 4, qp_bad.data(), 4, 0.25f, out.data()); }),
+            "paged_prefill_attention: non-finite query at token 12, head 3, dim 7");
+  EXPECT_EQ(test::error_of<std::invalid_argument>(
+                [&] { paged_prefill_attention(*f.cache, 0, f.seq, 0, 4, qp.data(), 4, NAN, out.data()); }),
+            "paged_prefill_attention: scale nan");
 }

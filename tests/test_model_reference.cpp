@@ -112,6 +112,29 @@ TEST(ModelReference, NanWeightsNameTheModel) {
   }
 }
 
+// NaN query weights (layer 1's attn_q, a Q8_0 block scale) make the queries NaN: the prefill's
+// attention names them (before it, the NaN reached the logits silently), and a decode step's error
+// leaves its parallel region as an exception (it used to end the process from inside OpenMP).
+TEST(ModelReference, NanQueryWeightsAreAnErrorNotACrash) {
+  std::ifstream in(test::source_path("models/locks-ref-a-q8_0.gguf"), std::ios::binary);
+  std::vector<uint8_t> b((std::istreambuf_iterator<char>(in)), {});
+  {
+    const GgufFile f = GgufFile::from_bytes(b, "m.gguf");
+    const GgufTensorInfo* t = f.find_tensor("blk.1.attn_q.weight");
+    ASSERT_NE(t, nullptr);
+    ASSERT_EQ(t->type, uint32_t(GgmlType::Q8_0));
+    const auto at = std::search(b.begin(), b.end(), t->data, t->data + t->n_bytes);
+    ASSERT_NE(at, b.end());
+    const uint16_t f16_nan = 0x7e00;
+    for (uint64_t i = 0; i < t->n_bytes; i += 34) std::memcpy(&*(at + i), &f16_nan, 2);  // every block's scale
+  }
+  const LlamaModel model = LlamaModel::from_gguf(GgufFile::from_bytes(b, "m.gguf"));
+  Session s(model, SessionConfig{});
+  EXPECT_NE(test::error_of<std::invalid_argument>([&] { s.prefill(std::vector<int32_t>{1, 2, 3}); })
+                .find("paged_prefill_attention: non-finite query at token 0, head 0, dim 0"),
+            std::string::npos);
+}
+
 // A model whose context length is beyond what a session reserves is refused with the way out
 // (a context size), and runs with one.
 TEST(ModelReference, HugeModelContextAsksForAContextSize) {
@@ -133,8 +156,8 @@ TEST(ModelReference, HugeModelContextAsksForAContextSize) {
 }
 
 // Session entry points refuse what they would otherwise silently reinterpret: a negative context
-// size (0 means the model's), a prepared selector other than the one the fork config names, and
-// generate() on a session that already holds tokens.
+// size (0 means the model's), a prepared selector other than the one the fork config names (or made
+// with other options), and generate() on a session that already holds tokens.
 TEST(ModelReference, SessionRefusesMisusedEntryPoints) {
   const LlamaModel model = LlamaModel::from_gguf(GgufFile::open(test::source_path("models/locks-ref-a-q8_0.gguf")));
   SessionConfig neg;
@@ -153,6 +176,15 @@ TEST(ModelReference, SessionRefusesMisusedEntryPoints) {
   EXPECT_EQ(test::error_of<std::invalid_argument>([&] { (void)s.fork(locks_cfg, *prepared); }),
             "fork: the prepared selector is 'quest', the config names 'locks'");
   EXPECT_NO_THROW((void)s.fork(quest, *prepared));
+  // The same name with other options (a rank-2 LOCKS config, a rank-8 prepared selector).
+  locks_cfg.selector_opts.summary.rank = 8;
+  const std::unique_ptr<Selector> rank8 = s.prepare_selector(locks_cfg);
+  SessionConfig rank2 = locks_cfg;
+  rank2.selector_opts.summary.rank = 2;
+  EXPECT_NE(test::error_of<std::invalid_argument>([&] { (void)s.fork(rank2, *rank8); })
+                .find("fork: the prepared selector was made as 'locks r=8 basis=int4"),
+            std::string::npos);
+  EXPECT_NO_THROW((void)s.fork(locks_cfg, *rank8));
   GenerateOptions go;
   go.max_tokens = 2;
   EXPECT_EQ(test::error_of<std::logic_error>([&] { (void)generate(s, {1, 2}, go); }),

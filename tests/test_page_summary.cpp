@@ -706,7 +706,7 @@ TEST(PageSummary, StoreScoreMatchesLoadedSummary) {
         const PageSummaryF32 s = random_summary(rng, d, r);
         store.store(il, h, t, s);
         const PageSummaryF32 l = store.load(il, h, t);
-        for (int G : {1, 4, 7}) {
+        for (int G : {1, 4, 7, 100}) {  // 100: more heads than one pass holds (slices of 64)
           std::vector<float> q = randn(rng, size_t(G) * d, 1.5);
           std::vector<float> out(G);
           const float scale = 1.0f / std::sqrt(float(d));

@@ -237,6 +237,16 @@ TEST(Selector, TopPagesNeverPreferNegInfOverFinite) {
     EXPECT_LT(s, 0.0f);
     EXPECT_EQ(s, scores[0]);
   }
+  // NaN or +inf is no estimate at all (it would make every share NaN): refused, named.
+  std::vector<float> bad(3 * 10, 0.5f);
+  bad[2 * 10 + 6] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_EQ(test::error_of<std::invalid_argument>(
+                [&] { select_top_pages(bad.data(), 3, 10, 4, GroupRule::kShareAverage, out, &scores); }),
+            "select_top_pages: log-mass nan at head 2, page 6");
+  bad[2 * 10 + 6] = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(test::error_of<std::invalid_argument>(
+                [&] { select_top_pages(bad.data(), 3, 10, 4, GroupRule::kMax, out, &scores); }),
+            "select_top_pages: log-mass inf at head 2, page 6");
 }
 
 TEST(Selector, GroupRuleNames) {

@@ -31,8 +31,9 @@ void paged_decode_attention(const PagedKvCache& cache, int il, int kv_head, cons
 ///   first_query: rows of query blocks that end before it may be skipped (their `out` rows are
 ///   left as they were); the blocks are the same for any value, so computed rows do not change.
 /// Throws std::out_of_range for a layer, query range or page outside the cache or sequence, and
-/// std::invalid_argument when n_head is not a multiple of n_head_kv, q or out is null, or the
-/// sequence's length does not fit its page table.
+/// std::invalid_argument when n_head is not a multiple of n_head_kv, q or out is null, the scale or a
+/// query row it reads is not finite (NaN/Inf, named by token, head and dim), or the sequence's length
+/// does not fit its page table.
 void paged_prefill_attention(const PagedKvCache& cache, int il, const KvSequence& seq, int32_t pos0, int n_q,
                              const float* q, int n_head, float scale, float* out, int first_query = 0);
 

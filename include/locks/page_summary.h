@@ -83,7 +83,8 @@ class PageSummaryStore {
   PageSummaryF32 load(int il, int kv_head, int32_t page) const;
 
   /// Eq. 4 for a whole GQA group from the stored (quantized) summary, reading it once:
-  /// out[g] = s_hat_j(q_g) for g < n_group. q: [n_group][d] float32; scale usually 1/sqrt(d).
+  /// out[g] = s_hat_j(q_g) for g < n_group (any n_group >= 1). q: [n_group][d] float32; scale usually
+  /// 1/sqrt(d).
   void score(int il, int kv_head, int32_t page, const float* q, int n_group, float scale, float* out) const;
 
  private:

@@ -83,6 +83,10 @@ class Selector {
     bound_ = cfg;
     has_bound_ = true;
   }
+  /// The options it was made with, as make_selector describes them (selector_options_key), so that
+  /// Session::fork(cfg, prepared) can refuse a prepared selector made with other options.
+  const std::string& options_key() const { return options_key_; }
+  void bind_options_key(std::string key) { options_key_ = std::move(key); }
 
  protected:
   /// What on_pages_filled and select do once they have checked their arguments.
@@ -93,6 +97,7 @@ class Selector {
   void check_cache(const char* what, const PagedKvCache& cache) const;
   KvCacheConfig bound_;
   bool has_bound_ = false;
+  std::string options_key_;
 };
 
 struct SelectorOptions {
@@ -115,13 +120,17 @@ std::unique_ptr<Selector> make_selector(const std::string& name, const KvCacheCo
                                         const SelectorOptions& opts = {});
 /// Names accepted by make_selector.
 std::vector<std::string> selector_names();
+/// A selector's name and options in one string ("locks r8/int4/int8/int8 share-average rho0 ..."):
+/// equal keys make selectors of equal metadata and selections (Selector::options_key).
+std::string selector_options_key(const std::string& name, const SelectorOptions& opts);
 
 /// The shared selection rule (Alg. 2 lines 6-9): given page log-mass estimates
 /// `log_mass[g * n_pages + j]` for the G heads and every page of the sequence, form per-head
 /// shares (softmax over pages), combine them by `rule`, and keep the sink page, the recent page and
 /// the top-(k-2) others. Ties break toward the lower page index. Pages with -inf estimates get
 /// share 0. Output ascending. `scores_out`, when non-null, receives the combined score per page.
-/// Throws std::invalid_argument for a null `log_mass` or n_group < 1 (with n_pages > 0).
+/// Throws std::invalid_argument for a null `log_mass`, n_group < 1 (with n_pages > 0), or a NaN or
+/// +inf estimate (named by head and page).
 void select_top_pages(const float* log_mass, int n_group, int n_pages, int budget_pages, GroupRule rule,
                       std::vector<int32_t>& out, std::vector<float>* scores_out = nullptr);
 

@@ -83,6 +83,10 @@ int32_t PagedKvCache::append_tokens(KvSequence& seq, int32_t n) {
   check_sequence("append_tokens", seq, /*ids=*/false);
   const int64_t B = cfg_.page_size;
   const int64_t new_len = int64_t(seq.n_tokens) + n;
+  if (new_len > std::numeric_limits<int32_t>::max())
+    throw std::invalid_argument(fmt::format("append_tokens: {} more tokens would take the sequence's {} tokens past "
+                                            "the 2^31 - 1 a sequence can count",
+                                            n, seq.n_tokens));
   const int64_t need_pages = (new_len + B - 1) / B;
   const int64_t extra = need_pages - seq.n_pages();
   if (extra > static_cast<int64_t>(free_.size()))

@@ -405,7 +405,11 @@ void PageSummaryStore::score(int il, int kv_head, int32_t page, const float* q, 
                              float* out) const {
   const size_t idx = stored_index(il, kv_head, page);
   const int r = fmt_.rank, d = d_;
-  if (n_group > kMaxGroup) throw std::invalid_argument("page summary score: GQA group too large");
+  if (n_group > kMaxGroup) {  // larger groups than the stack buffers hold: in slices of kMaxGroup heads
+    for (int g0 = 0; g0 < n_group; g0 += kMaxGroup)
+      score(il, kv_head, page, q + size_t(g0) * d, std::min(kMaxGroup, n_group - g0), scale, out + g0);
+    return;
+  }
   alignas(64) float mu[kMaxHeadDim];
   alignas(64) float V[kMaxPage * kMaxHeadDim];
   alignas(64) float coef[kMaxPage * kMaxPage];

@@ -36,6 +36,15 @@ void paged_prefill_attention(const PagedKvCache& cache, int il, const KvSequence
   if (pos0 < 0 || n_q < 0 || int64_t(pos0) + n_q > seq.n_tokens)
     throw std::out_of_range(fmt::format("paged_prefill_attention: queries [{}, {}) outside the sequence's {} tokens",
                                         pos0, int64_t(pos0) + n_q, seq.n_tokens));
+  if (!std::isfinite(scale)) throw std::invalid_argument(fmt::format("paged_prefill_attention: scale {}", scale));
+  {  // the rows attention reads: every block that ends at or after first_query
+    const int t0 = std::clamp(first_query, 0, n_q) / kQueryBlock * kQueryBlock;
+    const size_t row = size_t(n_head) * cfg.head_dim;
+    if (const std::ptrdiff_t i = first_non_finite(q + size_t(t0) * row, size_t(n_q - t0) * row); i >= 0)
+      throw std::invalid_argument(fmt::format("paged_prefill_attention: non-finite query at token {}, head {}, dim {}",
+                                              pos0 + t0 + i / std::ptrdiff_t(row), (i % row) / cfg.head_dim,
+                                              i % cfg.head_dim));
+  }
   const int G = n_head / H;
   const int n_qblocks = (n_q + kQueryBlock - 1) / kQueryBlock;
   const int n_tasks = H * n_qblocks;

@@ -140,6 +140,17 @@ double mean_of(const std::vector<EvalRow>& rows, F&& pick) {
   return n > 0 ? s / n : kNaN;
 }
 
+// Whether selector `name` reads the option of spec key `k` (include/locks/selector.h, SelectorOptions).
+bool selector_key_applies(const std::string& name, const std::string& k) {
+  const bool shared_basis = name == "sequence-basis" || name == "global-basis";
+  if (k == "rule") return name != "full" && name != "streaming";
+  // (the shared-basis scopes size their rank from the whole format when rho is not given)
+  if (k == "r" || k == "basis") return name == "locks" || name == "second-moment" || shared_basis;
+  if (k == "coef") return name == "locks" || shared_basis;
+  if (k == "centroid") return name == "locks" || name == "second-moment" || name == "centroid" || shared_basis;
+  if (k == "rho") return shared_basis;
+  return true;  // unknown keys are refused below
+}
 }  // namespace
 
 SelectorSpec parse_selector_spec(const std::string& spec, const SummaryFormat& base) {
@@ -175,10 +186,9 @@ SelectorSpec parse_selector_spec(const std::string& spec, const SummaryFormat& b
           throw std::invalid_argument(fmt::format("selector '{}': {}='{}' is not an integer", spec, k, v));
         }
       };
-      // Summary-format keys belong to LOCKS, rho to the shared-basis scopes (a key another selector
-      // ignores would only mislabel its rows).
-      const bool summary_key = k == "r" || k == "basis" || k == "coef" || k == "centroid";
-      if ((summary_key && s.name != "locks") || (k == "rho" && s.name != "sequence-basis" && s.name != "global-basis"))
+      // Each key only where the selector reads that option (SelectorOptions): a key another selector
+      // ignores would only mislabel its rows.
+      if (!selector_key_applies(s.name, k))
         throw std::invalid_argument(fmt::format("selector '{}': key '{}' does not apply to {}", spec, k, s.name));
       if (k == "r")
         s.opts.summary.rank = as_int();

@@ -13,6 +13,7 @@
 
 #include <fmt/format.h>
 
+#include "locks/parallel_for.h"
 
 namespace locks {
 
@@ -69,72 +70,67 @@ LocalityResult measure_locality(const PagedKvCache& cache, const KvSequence& seq
   const int n_tasks = L * H;
   const size_t stride = 1 + 3 * size_t(n_ranks);
   std::vector<double> acc(size_t(n_tasks) * stride, 0.0);
-  std::exception_ptr error;
-#pragma omp parallel for schedule(dynamic, 1) if (n_tasks > 1)
-  for (int t = 0; t < n_tasks; ++t) {
-    try {
-      const int il = t / H, h = t % H;
-      double* out = &acc[size_t(t) * stride];
-      double* pl = out + 1;
-      double* sq = pl + n_ranks;
-      double* gl = sq + n_ranks;
-      std::vector<float> keys(size_t(n_used) * B * d);
-      for (int j = 0; j < n_used; ++j) cache.k_page_f32(il, seq.page_table[j], h, &keys[size_t(j) * B * d]);
+  parallel_for(
+      n_tasks,
+      [&](int t) {
+        const int il = t / H, h = t % H;
+        double* out = &acc[size_t(t) * stride];
+        double* pl = out + 1;
+        double* sq = pl + n_ranks;
+        double* gl = sq + n_ranks;
+        std::vector<float> keys(size_t(n_used) * B * d);
+        for (int j = 0; j < n_used; ++j) cache.k_page_f32(il, seq.page_table[j], h, &keys[size_t(j) * B * d]);
 
-      // Full pages centered by their own mean; page energy and the page-local spectrum.
-      MatD D(Eigen::Index(n_full) * B, d);
-      std::vector<double> mu(d), sigma2(B);
-      Eigen::MatrixXd gram(B, B);
-      Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd> es(B);
-      for (int j = 0; j < n_full; ++j) {
-        const float* kp = &keys[size_t(j) * B * d];
-        std::fill(mu.begin(), mu.end(), 0.0);
-        for (int i = 0; i < B; ++i)
-          for (int c = 0; c < d; ++c) mu[c] += double(kp[size_t(i) * d + c]);
-        for (int c = 0; c < d; ++c) mu[c] /= B;
-        double e = 0.0;
-        for (int i = 0; i < B; ++i)
-          for (int c = 0; c < d; ++c) {
-            const double x = double(kp[size_t(i) * d + c]) - mu[c];
-            D(Eigen::Index(j) * B + i, c) = x;
-            e += x * x;
+        // Full pages centered by their own mean; page energy and the page-local spectrum.
+        MatD D(Eigen::Index(n_full) * B, d);
+        std::vector<double> mu(d), sigma2(B);
+        Eigen::MatrixXd gram(B, B);
+        Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd> es(B);
+        for (int j = 0; j < n_full; ++j) {
+          const float* kp = &keys[size_t(j) * B * d];
+          std::fill(mu.begin(), mu.end(), 0.0);
+          for (int i = 0; i < B; ++i)
+            for (int c = 0; c < d; ++c) mu[c] += double(kp[size_t(i) * d + c]);
+          for (int c = 0; c < d; ++c) mu[c] /= B;
+          double e = 0.0;
+          for (int i = 0; i < B; ++i)
+            for (int c = 0; c < d; ++c) {
+              const double x = double(kp[size_t(i) * d + c]) - mu[c];
+              D(Eigen::Index(j) * B + i, c) = x;
+              e += x * x;
+            }
+          out[0] += e;
+          // Page-local: Algorithm 1's spectrum, the eigenvalues of the centered page Gram D D^T
+          // (float64; eigenvalues only, ~5x faster than build_page_summary's Jacobi with vectors).
+          const auto Dp = D.middleRows(Eigen::Index(j) * B, B);
+          gram.noalias() = Dp * Dp.transpose();
+          es.compute(gram, Eigen::EigenvaluesOnly);
+          if (es.info() != Eigen::Success) throw std::runtime_error("locality: page eigensolver did not converge");
+          for (int k = 0; k < B; ++k) sigma2[k] = std::max(es.eigenvalues()[B - 1 - k], 0.0);  // descending
+          for (int q = 0; q < n_ranks; ++q) {
+            const int r = ranks[q];
+            if (r >= B) {
+              pl[q] += e;  // every direction of the page kept
+              continue;
+            }
+            double c = 0.0;
+            for (int k = 0; k < r; ++k) c += sigma2[k];
+            pl[q] += std::min(c, e);
           }
-        out[0] += e;
-        // Page-local: Algorithm 1's spectrum, the eigenvalues of the centered page Gram D D^T
-        // (float64; eigenvalues only, ~5x faster than build_page_summary's Jacobi with vectors).
-        const auto Dp = D.middleRows(Eigen::Index(j) * B, B);
-        gram.noalias() = Dp * Dp.transpose();
-        es.compute(gram, Eigen::EigenvaluesOnly);
-        if (es.info() != Eigen::Success) throw std::runtime_error("locality: page eigensolver did not converge");
-        for (int k = 0; k < B; ++k) sigma2[k] = std::max(es.eigenvalues()[B - 1 - k], 0.0);  // descending
-        for (int q = 0; q < n_ranks; ++q) {
-          const int r = ranks[q];
-          if (r >= B) {
-            pl[q] += e;  // every direction of the page kept
-            continue;
-          }
-          double c = 0.0;
-          for (int k = 0; k < r; ++k) c += sigma2[k];
-          pl[q] += std::min(c, e);
         }
-      }
 
-      // Sequence scope: PCA of all the sequence's keys of this (layer, head), fit once at r_max.
-      const std::vector<float> seq_basis = pca_key_basis(keys.data(), size_t(seq.n_tokens), d, r_max);
-      const std::vector<double> cs = captured_by_basis(D, seq_basis.data(), r_max, d);
-      for (int q = 0; q < n_ranks; ++q) sq[q] = cs[ranks[q] - 1];
+        // Sequence scope: PCA of all the sequence's keys of this (layer, head), fit once at r_max.
+        const std::vector<float> seq_basis = pca_key_basis(keys.data(), size_t(seq.n_tokens), d, r_max);
+        const std::vector<double> cs = captured_by_basis(D, seq_basis.data(), r_max, d);
+        for (int q = 0; q < n_ranks; ++q) sq[q] = cs[ranks[q] - 1];
 
-      if (global) {
-        const std::vector<double> cg = captured_by_basis(D, global->of(il, h), r_glob, d);
-        for (int q = 0; q < n_ranks; ++q)
-          gl[q] = ranks[q] <= r_glob ? cg[ranks[q] - 1] : std::numeric_limits<double>::quiet_NaN();
-      }
-    } catch (...) {
-#pragma omp critical(locks_locality_error)
-      if (!error) error = std::current_exception();
-    }
-  }
-  if (error) std::rethrow_exception(error);
+        if (global) {
+          const std::vector<double> cg = captured_by_basis(D, global->of(il, h), r_glob, d);
+          for (int q = 0; q < n_ranks; ++q)
+            gl[q] = ranks[q] <= r_glob ? cg[ranks[q] - 1] : std::numeric_limits<double>::quiet_NaN();
+        }
+      },
+      2, /*dynamic_chunk=*/1);
 
   LocalityResult res;
   res.ranks = ranks;

@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include "locks/attention.h"
+#include "locks/parallel_for.h"
 
 namespace locks {
 
@@ -131,6 +132,9 @@ Session Session::fork(const SessionConfig& cfg, const Selector& prepared) const 
   if (prepared.name() != cfg.selector)
     throw std::invalid_argument(fmt::format("fork: the prepared selector is '{}', the config names '{}'",
                                             prepared.name(), cfg.selector));
+  if (const std::string want = selector_options_key(cfg.selector, cfg.selector_opts); prepared.options_key() != want)
+    throw std::invalid_argument(fmt::format("fork: the prepared selector was made as '{}', the config asks for '{}'",
+                                            prepared.options_key(), want));
   return fork_with(cfg, prepared.clone());
 }
 
@@ -226,8 +230,7 @@ void Session::forward(std::span<const int32_t> tokens, bool decode_step) {
       // Alg. 2 per GQA group: select pages from the group's queries, then exact attention over them.
       std::vector<Selection> sel(NKV);
       const auto t_sel = Clock::now();
-#pragma omp parallel for schedule(static) if (NKV > 1)
-      for (int h = 0; h < NKV; ++h) {
+      parallel_for(NKV, [&](int h) {
         SelectionRequest req;
         req.q = &q[size_t(h) * G * HD];
         req.n_group = G;
@@ -245,18 +248,18 @@ void Session::forward(std::span<const int32_t> tokens, bool decode_step) {
         } else {
           selector_->select(cache_, req, sel[h]);
         }
-      }
+      });
       const auto t_att = Clock::now();
       totals_.select_seconds += std::chrono::duration<double>(t_att - t_sel).count();
-#pragma omp parallel for schedule(static) if (NKV > 1)
-      for (int h = 0; h < NKV; ++h)
+      parallel_for(NKV, [&](int h) {
         paged_decode_attention(cache_, il, h, seq_, sel[h].pages, &q[size_t(h) * G * HD], G, scale,
                                &att[size_t(h) * G * HD], nullptr);
+      });
       totals_.attend_seconds += seconds_since(t_att);
       if (probe_ && probe_->enabled) {
-#pragma omp parallel for schedule(static) if (NKV > 1)
-        for (int h = 0; h < NKV; ++h)
+        parallel_for(NKV, [&](int h) {
           probe_->observe(cache_, seq_, *selector_, il, h, &q[size_t(h) * G * HD], G, budget_pages_, sel[h]);
+        });
       }
       for (int h = 0; h < NKV; ++h) {
         totals_.bytes_read += double(step_bytes_read(cache_, seq_, sel[h]));

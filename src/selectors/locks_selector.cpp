@@ -17,23 +17,17 @@ std::string LocksSelector::name() const { return "locks"; }
 void LocksSelector::do_on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) {
   const auto& cfg = cache.config();
   const int n = static_cast<int>(page_ids.size()) * cfg.n_head_kv;
-  // Alg. 1 for every (page, KV head): independent, so batched across cores. An exception may not
-  // leave an OpenMP region, so the first one is carried out and rethrown.
-  std::exception_ptr error;
-#pragma omp parallel for schedule(dynamic, 4) if (n > 8)
-  for (int t = 0; t < n; ++t) {
-    try {
-      const int32_t page = page_ids[t / cfg.n_head_kv];
-      const int h = t % cfg.n_head_kv;
-      std::vector<float> keys(size_t(cfg.page_size) * cfg.head_dim);
-      cache.k_page_f32(il, page, h, keys.data());
-      store_.store(il, h, page, build_page_summary(keys.data(), cfg.page_size, cfg.head_dim, store_.format().rank));
-    } catch (...) {
-#pragma omp critical(locks_summary_error)
-      if (!error) error = std::current_exception();
-    }
-  }
-  if (error) std::rethrow_exception(error);
+  // Alg. 1 for every (page, KV head): independent, so batched across cores.
+  parallel_for(
+      n,
+      [&](int t) {
+        const int32_t page = page_ids[t / cfg.n_head_kv];
+        const int h = t % cfg.n_head_kv;
+        std::vector<float> keys(size_t(cfg.page_size) * cfg.head_dim);
+        cache.k_page_f32(il, page, h, keys.data());
+        store_.store(il, h, page, build_page_summary(keys.data(), cfg.page_size, cfg.head_dim, store_.format().rank));
+      },
+      /*min_parallel=*/9, /*dynamic_chunk=*/4);
 }
 
 void LocksSelector::do_select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out) {
@@ -42,12 +36,11 @@ void LocksSelector::do_select(const PagedKvCache& cache, const SelectionRequest&
   const float scale = 1.0f / std::sqrt(float(d));
   std::vector<float> log_mass(size_t(req.n_group) * n_pages);  // [G][n_pages]
   size_t bytes = 0;
-  float tmp[64];
-  std::vector<float> keys;
+  std::vector<float> tmp(size_t(req.n_group)), keys;
   for (int j = 0; j < n_pages; ++j) {
     const int32_t page = req.seq->page_table[j];
     if (store_.has(req.il, req.kv_head, page) && page_tokens(*req.seq, j, B) == B) {
-      store_.score(req.il, req.kv_head, page, req.q, req.n_group, scale, tmp);  // Eq. 4
+      store_.score(req.il, req.kv_head, page, req.q, req.n_group, scale, tmp.data());  // Eq. 4
       bytes += store_.summary_bytes();
       for (int g = 0; g < req.n_group; ++g) log_mass[size_t(g) * n_pages + j] = tmp[g];
     } else {

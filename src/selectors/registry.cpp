@@ -50,9 +50,15 @@ std::unique_ptr<Selector> construct_selector(const std::string& name, const KvCa
 
 }  // namespace
 
+std::string selector_options_key(const std::string& name, const SelectorOptions& opts) {
+  return fmt::format("{} {} {} rho{} global-basis@{}", name, opts.summary.describe(), group_rule_name(opts.group_rule),
+                     opts.shared_rank, static_cast<const void*>(opts.global_basis.get()));
+}
+
 std::unique_ptr<Selector> make_selector(const std::string& name, const KvCacheConfig& cfg, const SelectorOptions& opts) {
   auto sel = construct_selector(name, cfg, opts);
   sel->bind_cache(cfg);  // its per-page data is sized for this layout
+  sel->bind_options_key(selector_options_key(name, opts));
   return sel;
 }
 

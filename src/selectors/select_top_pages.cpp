@@ -1,6 +1,7 @@
 // Alg. 2 lines 6-9: shares, group rule, sink + recent + top-(k-2).
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <stdexcept>
 
@@ -36,6 +37,10 @@ void select_top_pages(const float* log_mass, int n_group, int n_pages, int budge
                                             !log_mass ? std::string("no log-mass estimates (null)")
                                                       : fmt::format("GQA group of {} heads", n_group),
                                             n_pages));
+  for (size_t i = 0; i < size_t(n_group) * n_pages; ++i)  // -inf (no mass) is valid; NaN and +inf are not
+    if (std::isnan(log_mass[i]) || log_mass[i] == std::numeric_limits<float>::infinity())
+      throw std::invalid_argument(fmt::format("select_top_pages: log-mass {} at head {}, page {}", log_mass[i],
+                                              i / size_t(n_pages), i % size_t(n_pages)));
   const int k = std::max(budget_pages, 2);
   std::vector<float> score(n_pages, 0.0f), share;
   // Per-head shares m_g(j) = softmax_j(log_mass[g][j]) (Eq. 5), combined across the group.

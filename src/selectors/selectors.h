@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "locks/parallel_for.h"
 #include "locks/selector.h"
 #include "locks/shared_basis.h"
 
@@ -260,21 +261,16 @@ void EstimatingSelector::for_each_page_head(const PagedKvCache& cache, int il, s
                                             Build&& build) {
   const auto& cfg = cache.config();
   const int n = static_cast<int>(page_ids.size()) * cfg.n_head_kv;
-  std::exception_ptr error;  // an exception must not leave the parallel region: rethrown after it
-#pragma omp parallel for schedule(dynamic, 4) if (n > 8)
-  for (int t = 0; t < n; ++t) {
-    try {
-      const int32_t page = page_ids[t / cfg.n_head_kv];
-      const int h = t % cfg.n_head_kv;
-      std::vector<float> keys(size_t(cfg.page_size) * cfg.head_dim);
-      cache.k_page_f32(il, page, h, keys.data());
-      build(keys.data(), il, h, page);
-    } catch (...) {
-#pragma omp critical(locks_page_build_error)
-      if (!error) error = std::current_exception();
-    }
-  }
-  if (error) std::rethrow_exception(error);
+  parallel_for(
+      n,
+      [&](int t) {
+        const int32_t page = page_ids[t / cfg.n_head_kv];
+        const int h = t % cfg.n_head_kv;
+        std::vector<float> keys(size_t(cfg.page_size) * cfg.head_dim);
+        cache.k_page_f32(il, page, h, keys.data());
+        build(keys.data(), il, h, page);
+      },
+      /*min_parallel=*/9, /*dynamic_chunk=*/4);
 }
 
 }  // namespace locks

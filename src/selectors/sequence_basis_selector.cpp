@@ -42,17 +42,12 @@ void SequenceBasisSelector::prepare_for_decode(const PagedKvCache& cache, const 
   // full pages are final, so fitting them now or at the first select() gives the same basis and
   // coefficients. estimate() refits if the full pages changed in between.
   const int n = n_layer_ * n_head_kv_;
-  std::exception_ptr error;
-#pragma omp parallel for schedule(dynamic, 1) if (n > 1)
-  for (int t = 0; t < n; ++t) {
-    try {
-      if (!fit_used_[t]) fit(cache, seq, t / n_head_kv_, t % n_head_kv_);
-    } catch (...) {
-#pragma omp critical(locks_sequence_basis_error)
-      if (!error) error = std::current_exception();
-    }
-  }
-  if (error) std::rethrow_exception(error);
+  parallel_for(
+      n,
+      [&](int t) {
+        if (!fit_used_[t]) fit(cache, seq, t / n_head_kv_, t % n_head_kv_);
+      },
+      2, /*dynamic_chunk=*/1);
 }
 
 void SequenceBasisSelector::do_on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) {

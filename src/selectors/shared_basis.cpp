@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 
 #include "locks/math.h"
+#include "locks/parallel_for.h"
 #include "selectors/qvec.h"
 #include "selectors/selectors.h"
 
@@ -69,20 +70,15 @@ GlobalBasis calibrate_global_basis(const PagedKvCache& cache, const KvSequence& 
   gb.rank = rank;
   gb.basis.resize(size_t(cfg.n_layer) * cfg.n_head_kv);
   const int n = cfg.n_layer * cfg.n_head_kv;
-  std::exception_ptr error;
-#pragma omp parallel for schedule(dynamic, 1) if (n > 1)
-  for (int t = 0; t < n; ++t) {
-    try {
-      const int il = t / cfg.n_head_kv, h = t % cfg.n_head_kv;
-      std::vector<float> keys(size_t(seq.n_pages()) * B * d);
-      for (int j = 0; j < seq.n_pages(); ++j) cache.k_page_f32(il, seq.page_table[j], h, &keys[size_t(j) * B * d]);
-      gb.basis[t] = pca_key_basis(keys.data(), size_t(seq.n_tokens), d, rank);  // token t is row t
-    } catch (...) {
-#pragma omp critical(locks_global_basis_error)
-      if (!error) error = std::current_exception();
-    }
-  }
-  if (error) std::rethrow_exception(error);
+  parallel_for(
+      n,
+      [&](int t) {
+        const int il = t / cfg.n_head_kv, h = t % cfg.n_head_kv;
+        std::vector<float> keys(size_t(seq.n_pages()) * B * d);
+        for (int j = 0; j < seq.n_pages(); ++j) cache.k_page_f32(il, seq.page_table[j], h, &keys[size_t(j) * B * d]);
+        gb.basis[t] = pca_key_basis(keys.data(), size_t(seq.n_tokens), d, rank);  // token t is row t
+      },
+      2, /*dynamic_chunk=*/1);
   return gb;
 }
 
