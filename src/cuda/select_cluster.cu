@@ -24,7 +24,9 @@ constexpr int kFusedThreads = kSelectThreads;
 constexpr int kMaxSelectCluster = 16;
 constexpr int kDirectGather = 2;      // clusters up to this size sum the histograms directly (below)
 constexpr int kRankCandidates = 256;  // the leader ranks up to this many candidates directly
-static_assert(kClusterSelectPages == 4 * kFusedThreads, "four pages per thread");
+constexpr int kRoundPages = 4 * kFusedThreads;  // pages of one round of loads (4 per thread)
+static_assert(kClusterSelectPages % kRoundPages == 0 && kClusterSelectPages / 32 <= kFusedThreads,
+              "whole rounds; one bitmap word per thread");
 
 struct FusedSelectSmem {
   uint32_t hist[kHistBins];              // this CTA's histogram of share bits 30..20 (read by the cluster)
@@ -57,18 +59,22 @@ __global__ void __launch_bounds__(kFusedThreads, 1) share_select_cluster_kernel(
   const int b = blockIdx.z, h = blockIdx.y, t = int(threadIdx.x);
   const size_t bh = size_t(b) * p.n_head_kv + h;
   const int n = page_count(p, b);
-  const int P = p.cluster_pages, j0 = r * P, j = j0 + 4 * t;
+  const int P = p.cluster_pages, j0 = r * P;
   const int G = p.group;
+  // Round q of a thread: the 4 pages at local index l(q) = q * kRoundPages + 4 t (coalesced rows).
+  const int rounds = (P + kRoundPages - 1) / kRoundPages;
+  auto local = [&](int q) { return q * kRoundPages + 4 * t; };
   // Uniform over the cluster (n, and below lse_total, are the same in every CTA): no CTA leaves
   // before a barrier that the others reach.
   const bool bad = n < 0 || n > p.log_mass_stride;
-  const bool mine = !bad && 4 * t < P && j < n;
-  const float* col = p.log_mass + bh * G * p.log_mass_stride + j;
+  auto mine = [&](int q) { return !bad && local(q) < P && j0 + local(q) < n; };
+  const float* col = p.log_mass + bh * G * p.log_mass_stride + j0;
   float4 lm[8];  // 8 head rows at a time: 1024 threads leave 64 registers each
-  load_log_mass_rows(lm, col, 0, G, p.log_mass_stride, mine);
+  load_log_mass_rows(lm, col + local(0), 0, G, p.log_mass_stride, mine(0));
   for (int i = t; i < kHistBins; i += kFusedThreads) s.hist[i] = 0;
-  if (4 * t < P) *reinterpret_cast<uint4*>(&s.keys[4 * t]) = make_uint4(0u, 0u, 0u, 0u);
-  if (t < P / 32) s.bitmap[t] = 0;
+  for (int q = 0; q < rounds; ++q)
+    if (local(q) < P) *reinterpret_cast<uint4*>(&s.keys[local(q)]) = make_uint4(0u, 0u, 0u, 0u);
+  for (int w = t; w < P / 32; w += kFusedThreads) s.bitmap[w] = 0;
   if (t == 0) s.n_cand = 0;
   if (bad) {
     if (r == 0 && t == 0) p.n_selected[bh] = -1;
@@ -90,23 +96,26 @@ __global__ void __launch_bounds__(kFusedThreads, 1) share_select_cluster_kernel(
   }
   const int k = max(p.budget_pages, 2);
   const bool topk = n > k;
-  if (mine) {
+#pragma unroll 1
+  for (int q = 0; q < rounds; ++q) {
+    if (!mine(q)) continue;
+    if (q > 0) load_log_mass_rows(lm, col + local(q), 0, G, p.log_mass_stride, true);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     add_row_shares(acc, lm, lse2, 0, G);
     if constexpr (GT > 8) {
-      load_log_mass_rows(lm, col, 8, G, p.log_mass_stride, true);
+      load_log_mass_rows(lm, col + local(q), 8, G, p.log_mass_stride, true);
       add_row_shares(acc, lm, lse2, 8, G);
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int jj = j + e;
+      const int jj = j0 + local(q) + e;
       if (jj >= n) break;
       const float share = group_share(acc[e], G);
       if (p.shares) p.shares[bh * p.log_mass_stride + jj] = share;
       if (topk && jj >= 1 && jj <= n - 2) {
         const uint32_t key = __float_as_uint(share);
         atomicAdd(&s.hist[key >> 20], 1u);
-        s.keys[4 * t + e] = key | 0x80000000u;  // shares are >= 0: bit 31 is free
+        s.keys[local(q) + e] = key | 0x80000000u;  // shares are >= 0: bit 31 is free
       }
     }
   }
@@ -125,7 +134,6 @@ __global__ void __launch_bounds__(kFusedThreads, 1) share_select_cluster_kernel(
     }
     return;
   }
-  __syncthreads();
   cluster.sync();  // 1: every CTA's histogram is complete
 
   // The cluster's histogram in s.sub[0, kHistBins), then its threshold bin, in every CTA. Up to
@@ -176,19 +184,21 @@ __global__ void __launch_bounds__(kFusedThreads, 1) share_select_cluster_kernel(
   // Pages above the bin are in; the bin's keys go to the leader (one atomic per warp and round).
   FusedSelectSmem& leader = *cluster.map_shared_rank(&s, 0);
   const int lane = t & 31;
+  for (int q = 0; q < rounds; ++q)
 #pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const uint32_t mk = 4 * t < P ? s.keys[4 * t + e] : 0u, key = mk & 0x7fffffffu;
-    const bool has = mk & 0x80000000u;
-    if (has && (key >> 20) > tstar) atomicOr(&s.bitmap[(4 * t + e) >> 5], 1u << ((4 * t + e) & 31));
-    const bool in_bin = has && (key >> 20) == tstar;
-    const unsigned ballot = __ballot_sync(kFull, in_bin);
-    if (!ballot) continue;
-    int base = 0;
-    if (lane == 0) base = atomicAdd(&leader.n_cand, __popc(ballot));
-    base = __shfl_sync(kFull, base, 0) + __popc(ballot & ((1u << lane) - 1u));
-    if (in_bin && base < kCandCap) leader.cand[base] = ranked(key, j + e);
-  }
+    for (int e = 0; e < 4; ++e) {
+      const int l = local(q) + e;
+      const uint32_t mk = l < P ? s.keys[l] : 0u, key = mk & 0x7fffffffu;
+      const bool has = mk & 0x80000000u;
+      if (has && (key >> 20) > tstar) atomicOr(&s.bitmap[l >> 5], 1u << (l & 31));
+      const bool in_bin = has && (key >> 20) == tstar;
+      const unsigned ballot = __ballot_sync(kFull, in_bin);
+      if (!ballot) continue;
+      int base = 0;
+      if (lane == 0) base = atomicAdd(&leader.n_cand, __popc(ballot));
+      base = __shfl_sync(kFull, base, 0) + __popc(ballot & ((1u << lane) - 1u));
+      if (in_bin && base < kCandCap) leader.cand[base] = ranked(key, j0 + l);
+    }
   if (t == 0) {
     if (r == 0) atomicOr(&s.bitmap[0], 1u);  // sink page
     const int last = n - 1 - j0;             // recent page
@@ -196,7 +206,9 @@ __global__ void __launch_bounds__(kFusedThreads, 1) share_select_cluster_kernel(
   }
   __syncthreads();
   {
-    const int above = cub::BlockReduce<int, kFusedThreads>(reduce_tmp).Sum(t < P / 32 ? __popc(s.bitmap[t]) : 0);
+    int mine_above = 0;
+    for (int w = t; w < P / 32; w += kFusedThreads) mine_above += __popc(s.bitmap[w]);
+    const int above = cub::BlockReduce<int, kFusedThreads>(reduce_tmp).Sum(mine_above);
     if (t == 0) leader.counts[r] = above;
   }
   cluster.sync();  // 2: the bin's keys and every CTA's count are with the leader
@@ -252,13 +264,16 @@ __global__ void __launch_bounds__(kFusedThreads, 1) share_select_cluster_kernel(
 
   const unsigned long long thr = s.thr;
 #pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const uint32_t mk = 4 * t < P ? s.keys[4 * t + e] : 0u, key = mk & 0x7fffffffu;
-    if ((mk & 0x80000000u) && (key >> 20) == tstar && ranked(key, j + e) >= thr)
-      atomicOr(&s.bitmap[(4 * t + e) >> 5], 1u << ((4 * t + e) & 31));
-  }
+  for (int q = 0; q < rounds; ++q)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int l = local(q) + e;
+      const uint32_t mk = l < P ? s.keys[l] : 0u, key = mk & 0x7fffffffu;
+      if ((mk & 0x80000000u) && (key >> 20) == tstar && ranked(key, j0 + l) >= thr)
+        atomicOr(&s.bitmap[l >> 5], 1u << (l & 31));
+    }
   __syncthreads();
-  // Bitmap -> ascending positions (one word per thread).
+  // Bitmap -> ascending positions (one word per thread: P / 32 <= kFusedThreads).
   const uint32_t word = t < P / 32 ? s.bitmap[t] : 0u;
   int offset = 0;
   cub::BlockScan<int, kFusedThreads>(scan_tmp).ExclusiveSum(__popc(word), offset);
@@ -275,8 +290,6 @@ auto cluster_select_kernel_for(int group, bool merge) {
                     : (merge ? share_select_cluster_kernel<kMaxGroup, true>
                              : share_select_cluster_kernel<kMaxGroup, false>);
 }
-
-
 
 // The one-kernel select's attributes (dynamic shared memory, clusters above 8) raised on the
 // current device.

@@ -222,14 +222,14 @@ struct SelectParams {
   int32_t* n_candidates = nullptr;
   /// 0: the two kernels above. Otherwise one kernel: each (sequence, KV head) is one thread-block
   /// cluster of C = ceil(log_mass_stride / cluster_pages) CTAs of 1024 threads (C <= 16), CTA r taking
-  /// pages [r * cluster_pages, (r + 1) * cluster_pages); the CTAs exchange their histograms, the
-  /// threshold bin's candidates and their counts through distributed shared memory (three cluster
-  /// barriers), so keys, hist and candidates are not used. cluster_pages: a multiple of 32, at most
-  /// kClusterSelectPages. The decode plan uses it where every cluster fits at once
-  /// (DecodePlan::select_cluster_pages).
+  /// pages [r * cluster_pages, (r + 1) * cluster_pages), 4 per thread and round of loads; the CTAs
+  /// exchange their histograms, the threshold bin's candidates and their counts through distributed
+  /// shared memory (three or four cluster barriers), so keys, hist and candidates are not used.
+  /// cluster_pages: a multiple of 32, at most kClusterSelectPages. The decode plan uses it where the
+  /// clusters of a step fit at once (DecodePlan::select_cluster_pages).
   int cluster_pages = 0;
 };
-constexpr int kClusterSelectPages = 4096;
+constexpr int kClusterSelectPages = 16384;
 cudaError_t select_pages(const SelectParams& p, cudaStream_t stream);
 
 // ----------------------------------------------------------------------------------------------
