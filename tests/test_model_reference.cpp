@@ -84,22 +84,27 @@ TEST(ModelReference, LocksRefLogitsAndGreedyMatchFloat64) {
   }
 }
 
-// NaN weights (layer 0's attention norm) surface as an error naming the model and the layer, not
-// only the KV cache that refuses the key.
-TEST(ModelReference, NanWeightsNameTheModel) {
+// The reference model with `value` (value_bytes) written every `stride` bytes of tensor `name`'s data,
+// which must be of `type`.
+LlamaModel ref_model_patched(const char* name, GgmlType type, uint64_t stride, const void* value, size_t value_bytes) {
   std::ifstream in(test::source_path("models/locks-ref-a-q8_0.gguf"), std::ios::binary);
   std::vector<uint8_t> b((std::istreambuf_iterator<char>(in)), {});
   {
     const GgufFile f = GgufFile::from_bytes(b, "m.gguf");
-    const GgufTensorInfo* t = f.find_tensor("blk.0.attn_norm.weight");
-    ASSERT_NE(t, nullptr);
-    ASSERT_EQ(t->type, uint32_t(GgmlType::F32));
+    const GgufTensorInfo* t = f.find_tensor(name);
+    if (!t || t->type != uint32_t(type)) throw std::logic_error(std::string("test model: no tensor ") + name);
     const auto at = std::search(b.begin(), b.end(), t->data, t->data + t->n_bytes);
-    ASSERT_NE(at, b.end());
-    const float nan = std::numeric_limits<float>::quiet_NaN();
-    for (uint64_t i = 0; i < t->n_bytes; i += 4) std::memcpy(&*(at + i), &nan, 4);
+    if (at == b.end()) throw std::logic_error(std::string("test model: data of ") + name + " not found");
+    for (uint64_t i = 0; i < t->n_bytes; i += stride) std::memcpy(&*(at + i), value, value_bytes);
   }
-  const LlamaModel model = LlamaModel::from_gguf(GgufFile::from_bytes(b, "m.gguf"));
+  return LlamaModel::from_gguf(GgufFile::from_bytes(b, "m.gguf"));
+}
+
+// NaN weights (layer 0's attention norm) surface as an error naming the model and the layer, not
+// only the KV cache that refuses the key.
+TEST(ModelReference, NanWeightsNameTheModel) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const LlamaModel model = ref_model_patched("blk.0.attn_norm.weight", GgmlType::F32, 4, &nan, 4);
   Session s(model, SessionConfig{});
   try {
     s.prefill(std::vector<int32_t>{1, 2, 3});
@@ -112,23 +117,12 @@ TEST(ModelReference, NanWeightsNameTheModel) {
   }
 }
 
-// NaN query weights (layer 1's attn_q, a Q8_0 block scale) make the queries NaN: the prefill's
-// attention names them (before it, the NaN reached the logits silently), and a decode step's error
-// leaves its parallel region as an exception (it used to end the process from inside OpenMP).
+// NaN query weights (layer 1's attn_q: every Q8_0 block's f16 scale) make the queries NaN: the
+// prefill's attention names them (before, the NaN reached the logits silently; a decode step's
+// attention refused them from inside an OpenMP loop, which ended the process: see ParallelFor).
 TEST(ModelReference, NanQueryWeightsAreAnErrorNotACrash) {
-  std::ifstream in(test::source_path("models/locks-ref-a-q8_0.gguf"), std::ios::binary);
-  std::vector<uint8_t> b((std::istreambuf_iterator<char>(in)), {});
-  {
-    const GgufFile f = GgufFile::from_bytes(b, "m.gguf");
-    const GgufTensorInfo* t = f.find_tensor("blk.1.attn_q.weight");
-    ASSERT_NE(t, nullptr);
-    ASSERT_EQ(t->type, uint32_t(GgmlType::Q8_0));
-    const auto at = std::search(b.begin(), b.end(), t->data, t->data + t->n_bytes);
-    ASSERT_NE(at, b.end());
-    const uint16_t f16_nan = 0x7e00;
-    for (uint64_t i = 0; i < t->n_bytes; i += 34) std::memcpy(&*(at + i), &f16_nan, 2);  // every block's scale
-  }
-  const LlamaModel model = LlamaModel::from_gguf(GgufFile::from_bytes(b, "m.gguf"));
+  const uint16_t f16_nan = 0x7e00;
+  const LlamaModel model = ref_model_patched("blk.1.attn_q.weight", GgmlType::Q8_0, 34, &f16_nan, 2);
   Session s(model, SessionConfig{});
   EXPECT_NE(test::error_of<std::invalid_argument>([&] { s.prefill(std::vector<int32_t>{1, 2, 3}); })
                 .find("paged_prefill_attention: non-finite query at token 0, head 0, dim 0"),

@@ -14,7 +14,8 @@ namespace {
 using namespace detail;
 
 // One kernel for shares and selection (SelectParams::cluster_pages): a cluster of C CTAs per
-// (sequence, KV head), CTA r holding pages [r * P, (r + 1) * P) (4 per thread). What the two
+// (sequence, KV head), CTA r holding pages [r * P, (r + 1) * P) (4 per thread and round of loads, up
+// to 4 rounds). What the two
 // kernels pass through global memory (keys, the histogram, candidate lists) stays in shared memory
 // and crosses the cluster through DSMEM: every CTA sums the cluster's histograms and finds the
 // threshold bin itself (barrier 1), sends its threshold-bin keys and its count of pages above the bin
@@ -30,7 +31,9 @@ static_assert(kClusterSelectPages % kRoundPages == 0 && kClusterSelectPages / 32
 
 struct FusedSelectSmem {
   uint32_t hist[kHistBins];              // this CTA's histogram of share bits 30..20 (read by the cluster)
-  uint32_t sub[kSubBins];                // the cluster's histogram; then the leader's second level
+  // The cluster's histogram in [0, kHistBins) (above 2 CTAs, this CTA's slice of its sums in the
+  // upper half first); after barrier 2 the leader's second level.
+  uint32_t sub[kSubBins];
   uint32_t keys[kClusterSelectPages];    // bit 31 set: the page's key (positions 1 .. n - 2 only)
   uint32_t bitmap[kClusterSelectPages / 32];
   unsigned long long cand[kCandCap];     // leader: the threshold bin's keys, ranked(key, page)
@@ -181,7 +184,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) share_select_cluster_kernel(
   const uint32_t tstar = uint32_t(sh_bin);
   const uint32_t need2 = need - sh_above;  // >= 1 pages still to take from the threshold bin
 
-  // Pages above the bin are in; the bin's keys go to the leader (one atomic per warp and round).
+  // Pages above the bin are in; the bin's keys go to the leader (one atomic per warp and ballot).
   FusedSelectSmem& leader = *cluster.map_shared_rank(&s, 0);
   const int lane = t & 31;
   for (int q = 0; q < rounds; ++q)
@@ -245,8 +248,9 @@ __global__ void __launch_bounds__(kFusedThreads, 1) share_select_cluster_kernel(
         const uint32_t mk = *cluster.map_shared_rank(&s.keys[e], c), key = mk & 0x7fffffffu;
         return (mk & 0x80000000u) && (key >> 20) == tstar ? ranked(key, c * P + e) : 0ull;
       };
-      thr = radix_select_desc(src, C * P, need2, rhist, &sh_bin, &sh_above);
-      for (int i = t; i < C * P; i += kFusedThreads) {
+      const int span = min(C * P, n);  // pages past the sequence hold no key
+      thr = radix_select_desc(src, span, need2, rhist, &sh_bin, &sh_above);
+      for (int i = t; i < span; i += kFusedThreads) {
         const unsigned long long v = src(i);
         if (v != 0ull && v >= thr) atomicAdd(&s.taken[i / P], 1);
       }
@@ -310,7 +314,8 @@ cudaError_t prepare_cluster_select(int group, bool merge) {
 }  // namespace
 
 int select_max_active_clusters(int group, bool merge, int size) {
-  if (size < 1 || size > kMaxSelectCluster || prepare_cluster_select(group, merge) != cudaSuccess) {
+  if (size < 1 || size > kMaxSelectCluster) return 0;
+  if (prepare_cluster_select(group, merge) != cudaSuccess) {
     cudaGetLastError();
     return 0;
   }
@@ -330,15 +335,15 @@ int select_max_active_clusters(int group, bool merge, int size) {
 }
 
 cudaError_t select_pages_in_clusters(const SelectParams& p, cudaStream_t stream) {
-  const int clusters = (p.log_mass_stride + p.cluster_pages - 1) / p.cluster_pages;
-  if (p.cluster_pages < 32 || p.cluster_pages % 32 != 0 || p.cluster_pages > kClusterSelectPages ||
-      clusters > kMaxSelectCluster)
+  if (p.cluster_pages < 32 || p.cluster_pages % 32 != 0 || p.cluster_pages > kClusterSelectPages)
     return cudaErrorInvalidValue;
+  const long long clusters = (static_cast<long long>(p.log_mass_stride) + p.cluster_pages - 1) / p.cluster_pages;
+  if (clusters < 1 || clusters > kMaxSelectCluster) return cudaErrorInvalidValue;
   const bool merge = p.chunk_stats != nullptr;
   if (const cudaError_t e = prepare_cluster_select(p.group, merge); e != cudaSuccess) return e;
   return launch(cluster_select_kernel_for(p.group, merge),
                 dim3(unsigned(clusters), unsigned(p.n_head_kv), unsigned(p.batch)), dim3(kFusedThreads),
-                sizeof(FusedSelectSmem), p.pdl, stream, p, clusters);
+                sizeof(FusedSelectSmem), p.pdl, stream, p, int(clusters));
 }
 
 }  // namespace locks::cuda

@@ -15,19 +15,11 @@ LocksSelector::LocksSelector(const KvCacheConfig& cfg, const SummaryFormat& fmt,
 std::string LocksSelector::name() const { return "locks"; }
 
 void LocksSelector::do_on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) {
-  const auto& cfg = cache.config();
-  const int n = static_cast<int>(page_ids.size()) * cfg.n_head_kv;
   // Alg. 1 for every (page, KV head): independent, so batched across cores.
-  parallel_for(
-      n,
-      [&](int t) {
-        const int32_t page = page_ids[t / cfg.n_head_kv];
-        const int h = t % cfg.n_head_kv;
-        std::vector<float> keys(size_t(cfg.page_size) * cfg.head_dim);
-        cache.k_page_f32(il, page, h, keys.data());
-        store_.store(il, h, page, build_page_summary(keys.data(), cfg.page_size, cfg.head_dim, store_.format().rank));
-      },
-      /*min_parallel=*/9, /*dynamic_chunk=*/4);
+  const auto& cfg = cache.config();
+  for_each_page_head(cache, il, page_ids, [&](const float* keys, int l, int h, int32_t page) {
+    store_.store(l, h, page, build_page_summary(keys, cfg.page_size, cfg.head_dim, store_.format().rank));
+  });
 }
 
 void LocksSelector::do_select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out) {

@@ -78,6 +78,24 @@ class PageBlobStore {
 };
 
 /// Base of the baselines that select by a per-head page estimate.
+/// Build per-page metadata for every (page, KV head) of `page_ids` in layer `il` with
+/// build(keys [B][d] float32, il, h, page), batched across cores (the first exception rethrown).
+template <class Build>
+void for_each_page_head(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids, Build&& build) {
+  const auto& cfg = cache.config();
+  const int n = static_cast<int>(page_ids.size()) * cfg.n_head_kv;
+  parallel_for(
+      n,
+      [&](int t) {
+        const int32_t page = page_ids[t / cfg.n_head_kv];
+        const int h = t % cfg.n_head_kv;
+        std::vector<float> keys(size_t(cfg.page_size) * cfg.head_dim);
+        cache.k_page_f32(il, page, h, keys.data());
+        build(keys.data(), il, h, page);
+      },
+      /*min_parallel=*/9, /*dynamic_chunk=*/4);
+}
+
 class EstimatingSelector : public Selector {
  public:
   explicit EstimatingSelector(GroupRule rule) : rule_(rule) {}
@@ -88,10 +106,6 @@ class EstimatingSelector : public Selector {
   virtual size_t estimate(const PagedKvCache& cache, const SelectionRequest& req, std::vector<float>& log_mass) = 0;
 
  protected:
-  /// Build per-page metadata for every (page, KV head) of `page_ids` in layer `il` with
-  /// build(keys [B][d], il, h, page), batched across cores.
-  template <class Build>
-  static void for_each_page_head(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids, Build&& build);
   GroupRule rule_;
 };
 
@@ -255,22 +269,5 @@ class StreamingSelector final : public Selector {
   void do_select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out) override;
   std::unique_ptr<Selector> clone() const override { return std::make_unique<StreamingSelector>(*this); }
 };
-
-template <class Build>
-void EstimatingSelector::for_each_page_head(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids,
-                                            Build&& build) {
-  const auto& cfg = cache.config();
-  const int n = static_cast<int>(page_ids.size()) * cfg.n_head_kv;
-  parallel_for(
-      n,
-      [&](int t) {
-        const int32_t page = page_ids[t / cfg.n_head_kv];
-        const int h = t % cfg.n_head_kv;
-        std::vector<float> keys(size_t(cfg.page_size) * cfg.head_dim);
-        cache.k_page_f32(il, page, h, keys.data());
-        build(keys.data(), il, h, page);
-      },
-      /*min_parallel=*/9, /*dynamic_chunk=*/4);
-}
 
 }  // namespace locks

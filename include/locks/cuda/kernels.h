@@ -185,7 +185,7 @@ cudaError_t score_pages(const ScoreParams& p, cudaStream_t stream);
 /// positions ascending; n_b <= k selects every page. A sequence with a NaN lse_total (bad input, see
 /// score_pages; with chunk_stats: NaN statistics) or more pages than log_mass_stride gets
 /// n_selected = -1 and no selection. Two kernels: shares +
-/// histogram (grid (ceil(stride / 256), n_head_kv, batch) x 256 threads) and select (grid (n_head_kv, batch) x 1024
+/// histogram (grid (ceil(stride / 1024), n_head_kv, batch) x 256 threads) and select (grid (n_head_kv, batch) x 1024
 /// threads, one CTA per GQA group). hist must be zero before the first launch; left zero afterwards.
 /// With cluster_pages (below) one kernel instead: the same shares and selection, bit for bit.
 struct SelectParams {
@@ -226,7 +226,9 @@ struct SelectParams {
   /// exchange their histograms, the threshold bin's candidates and their counts through distributed
   /// shared memory (three or four cluster barriers), so keys, hist and candidates are not used.
   /// cluster_pages: a multiple of 32, at most kClusterSelectPages. The decode plan uses it where the
-  /// clusters of a step fit at once (DecodePlan::select_cluster_pages).
+  /// clusters of a step fit at once (DecodePlan::select_cluster_pages). The CTAs of a cluster must
+  /// agree on a sequence's page count, so indptr must not change while the kernel runs (with
+  /// pdl_early_reads: the previous kernel must not write it); else the kernel may hang.
   int cluster_pages = 0;
 };
 constexpr int kClusterSelectPages = 16384;
