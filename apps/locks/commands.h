@@ -30,13 +30,15 @@ inline CLI::Validator non_empty_path() {
                         "PATH");
 }
 
-/// Shared, for float options: the whole text is a number (before a range check, which would call
+/// Shared, for float options: the whole text is a decimal number (before a range check, which would call
 /// "12abc" out of range).
 inline CLI::Validator number_text() {
   return CLI::Validator(
       [](std::string& s) -> std::string {
+        // Decimal text only (strtod alone would also take hex floats, "inf" and "nan").
+        const bool decimal = !s.empty() && s.find_first_not_of("0123456789+-.eE") == std::string::npos;
         char* end = nullptr;
-        if (!s.empty() && !std::isspace(static_cast<unsigned char>(s[0]))) std::strtod(s.c_str(), &end);
+        if (decimal) std::strtod(s.c_str(), &end);
         return end == nullptr || end != s.c_str() + s.size() ? "'" + s + "' is not a number" : std::string();
       },
       "NUMBER");

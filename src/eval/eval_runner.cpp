@@ -299,7 +299,15 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg,
     const bool need = std::any_of(specs.begin(), specs.end(), [](const auto& s) { return s.name == "global-basis"; });
     if (need || cfg.locality_contexts > 0) {
       if (progress) progress(0, 1, "calibrating the global basis on 4096 tokens of other text");
-      const auto ids = make_text_tokens(calib_docs, model.tokenizer, 4096, cfg.seed + 4242);
+      std::vector<int32_t> ids;
+      try {
+        ids = make_text_tokens(calib_docs, model.tokenizer, 4096, cfg.seed + 4242);
+      } catch (const std::invalid_argument& e) {  // say what the 4096 tokens are for
+        throw std::invalid_argument(fmt::format(
+            "calibrating the global basis ({}) on 4096 tokens of the corpus's held-back documents (every tenth): "
+            "{}",
+            need ? "the global-basis selector" : "--locality-contexts", e.what()));
+      }
       SessionConfig sc;
       sc.n_ctx = 4096;
       Session cal(model, sc);
