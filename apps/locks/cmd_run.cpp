@@ -66,10 +66,14 @@ int run(const RunArgs& a) {
     prompt = a.prompt;
   } else if (!a.prompt_file.empty()) {
     prompt = read_input(a.prompt_file, kMaxPromptBytes, "prompt file");
+    const std::string name = a.prompt_file == "-" ? std::string("standard input") : a.prompt_file;
     // An empty file is more likely a mistake than a request to generate from BOS, which -p "" asks.
     if (prompt.empty())
-      throw std::invalid_argument(fmt::format("prompt file '{}' is empty (-p \"\" generates from BOS alone)",
-                                              a.prompt_file == "-" ? std::string("standard input") : a.prompt_file));
+      throw std::invalid_argument(fmt::format("prompt file '{}' is empty (-p \"\" generates from BOS alone)", name));
+    // As for eval's corpus: a NUL byte means binary data, not text.
+    if (const size_t nul = prompt.find('\0'); nul != std::string::npos)
+      throw std::invalid_argument(
+          fmt::format("prompt file '{}' holds a NUL byte at offset {} (binary data, not text)", name, nul));
   } else {
     prompt = read_input(resolve_default_path(kDefaultPrompt), kMaxPromptBytes, "prompt file");
     default_prompt = true;
