@@ -27,10 +27,12 @@ Runner add_eval(CLI::App& app) {
   app.add_option("--lengths", c->lengths, "task lengths in tokens")
       ->delimiter(',')
       ->transform(decimal_integer())
+      ->transform(trimmed())  // (CLI11 runs the transform added last first)
       ->capture_default_str();
   app.add_option("--budgets", c->budgets, "budgets in tokens (multiples of 16, >= 32)")
       ->delimiter(',')
       ->transform(decimal_integer())
+      ->transform(trimmed())  // (CLI11 runs the transform added last first)
       ->capture_default_str();
   app.add_option(
          "--selectors", c->selectors,
