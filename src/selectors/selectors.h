@@ -1,7 +1,6 @@
 // Concrete selectors (internal header). Public construction goes through make_selector().
 #pragma once
 
-#include <exception>
 #include <memory>
 #include <span>
 #include <string>

@@ -8,7 +8,6 @@
 // Pages filled after the fit are projected on the existing basis. Bytes read per step: the shared
 // basis once (rho * d * 4) plus shared_basis_page_bytes() per page with metadata; the one-time fit
 // reads the prefill keys once (a prefill cost, like building LOCKS summaries) and is not counted.
-#include <exception>
 #include <vector>
 
 #include "selectors/selectors.h"
