@@ -554,9 +554,13 @@ SelectOut run_select(int B, int H, int G, const std::vector<int32_t>& indptr, co
       }
   };
   same(lists, "select with candidate lists");
+  // The fewest CTAs (up to 8 rounds of loads each), the most, and a count between them (not a power
+  // of two in general, as the plan picks).
   const int fewest = (stride + lc::kClusterSelectPages - 1) / lc::kClusterSelectPages;
   const int most = std::min(16, (stride + 31) / 32);
-  for (int clusters : {fewest, most}) {
+  std::vector<int> counts = {fewest, (fewest + most + 1) / 2, most};
+  counts.erase(std::unique(counts.begin(), counts.end()), counts.end());
+  for (int clusters : counts) {
     const int pages = ((stride + clusters - 1) / clusters + 31) / 32 * 32;
     cudaError_t unschedulable = cudaSuccess;  // e.g. no 16-CTA clusters on a GPU with smaller GPCs (MIG)
     const SelectOut one =
@@ -1492,7 +1496,9 @@ void run_step_test(World& w, int budget_pages, const char* what, bool expect_def
       "sparse %d x %d pages%s, select %s\n",
       what, worst_mass, rel, plan.score_chunk_pages, plan.sparse_splits, plan.sparse_pages_per_split,
       plan.sparse_cluster_merge ? " (one cluster each)" : "",
-      plan.select_cluster_pages ? ("one kernel, " + std::to_string(plan.select_cluster_pages) + " pages per CTA").c_str()
+      plan.select_cluster_pages ? ("one kernel, " + std::to_string(plan.select_cluster_pages) + " pages per CTA" +
+                                   (plan.select_per_pair ? ", per pair" : ""))
+                                      .c_str()
                                 : "two kernels");
 
   // (3) CUDA graph: capture once, replay with new queries; equals the eager step.

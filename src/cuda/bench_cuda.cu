@@ -388,7 +388,10 @@ int run_bench(const BenchOptions& o) {
         const AttentionParams atp = step_attention_params(plan, sp, /*sparse=*/true);
         cudaGraphExec_t g_locks = capture(s, [&] { ck(locks_decode_step(plan, sp, s), "locks step"); });
         cudaGraphExec_t g_dense = capture(s, [&] { ck(dense_decode_step(plan, sp, s), "dense step"); });
-        cudaGraphExec_t g_score = capture(s, [&] { ck(score_pages(scp, s), "score"); });
+        // The score pass alone publishes no pairs (DecodePlan::select_per_pair): no select consumes them.
+        ScoreParams scp_alone = scp;
+        scp_alone.ready = nullptr;
+        cudaGraphExec_t g_score = capture(s, [&] { ck(score_pages(scp_alone, s), "score"); });
         cudaGraphExec_t g_ss = capture(s, [&] {
           ck(score_pages(scp, s), "score");
           ck(select_pages(sep, s), "select");

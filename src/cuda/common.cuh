@@ -218,6 +218,26 @@ __device__ __forceinline__ bool last_cta_done(uint32_t* counter, uint32_t n_ctas
   return last;
 }
 
+// A kernel's results handed to a kernel that runs beside it (ScoreParams::ready): every thread of
+// the CTA calls publish_ready after its writes, and *flag goes up by one once they are visible at
+// the GPU; the reader waits in wait_ready for the count it expects (ld.acquire), so that its loads
+// after it see those writes.
+__device__ __forceinline__ void publish_ready(uint32_t* flag) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(flag, 1u);
+  }
+}
+__device__ __forceinline__ void wait_ready(const uint32_t* flag, uint32_t want) {
+  for (;;) {
+    uint32_t v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
+    if (int(v - want) >= 0) return;
+    __nanosleep(32);
+  }
+}
+
 // Combine two (max, sum-of-exp2) pairs; -inf maxima carry no mass.
 __device__ __forceinline__ void lse2_merge(float& m, float& l, float m2, float l2) {
   const float mn = fmaxf(m, m2);

@@ -18,7 +18,7 @@ int attention_max_splits();
 int attention_ctas_per_sm(int head_dim, int group, KvType dtype, bool sparse);
 int attention_max_active_clusters(int head_dim, KvType dtype, int size);
 int score_ctas_per_sm(int head_dim, int group);
-int select_max_active_clusters(int group, bool merge, int size);
+int select_max_active_clusters(int group, bool merge, int size, int pages_per_cta);
 
 namespace {
 
@@ -160,16 +160,24 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device, bool balance) {
   // Shares and selection in one kernel (SelectParams::cluster_pages) where every (sequence, KV head)'s
   // cluster fits at once: the histograms and the threshold bin's keys cross the cluster through
   // distributed shared memory instead of global memory and a second kernel.
-  // The most CTAs that fit: 4096 pages per CTA (one round of loads) where the clusters fit in one
-  // wave, else 8192 or 16384 (two or four rounds, fewer CTAs). H200, against the two kernels where
-  // only 4096 was tried: Llama 256K batch 8 284 -> 277 us, 1M tokens 2 KV heads batch 4 234 -> 224.
+  // The most CTAs per cluster that fit, from one per 4096 pages (one round of loads) down to one per
+  // kClusterSelectPages (eight rounds). H200, against the two kernels where only 4096 was tried:
+  // Llama 256K batch 8 284 -> 277 us, 1M tokens 2 KV heads batch 4 234 -> 224.
   // (Where the clusters do not fit at once, the two kernels run.)
-  for (int per_cta = 4096; per_cta <= kClusterSelectPages && !p.select_cluster_pages; per_cta *= 2) {
-    const int clusters = div_up(p.log_mass_stride, per_cta);
-    if (bh <= select_max_active_clusters(sh.group, p.defer_lse_total, clusters))
-      p.select_cluster_pages = int(align_up(size_t(div_up(p.log_mass_stride, clusters)), 32));
+  for (int clusters = std::min(16, div_up(p.log_mass_stride, 4096));
+       clusters >= div_up(p.log_mass_stride, kClusterSelectPages) && !p.select_cluster_pages; --clusters) {
+    const int per_cta = int(align_up(size_t(div_up(p.log_mass_stride, clusters)), 32));
+    if (div_up(p.log_mass_stride, per_cta) == clusters &&
+        bh <= select_max_active_clusters(sh.group, p.defer_lse_total, clusters, per_cta))
+      p.select_cluster_pages = per_cta;
   }
   if (p.select_cluster_pages) p.select_candidates = false;
+  // The one-kernel select starts on each (sequence, KV head) as the score pass completes it, instead of
+  // after the whole pass, where the pass's last CTA of a pair merges lse_total anyway (no deferral):
+  // then the selection of early pairs overlaps the pass's tail. H200, 1M tokens, 4 KV heads, two runs
+  // each: batch 4 283.0-284.3 -> 279.0-279.2 us, batch 8 531.8-532.5 -> 525.7-526.0. With the merge
+  // deferred (batch 1-2) the per-item counter this needs cost 0.5-2.5 us, so those keep the PDL wait.
+  p.select_per_pair = p.pdl && p.select_cluster_pages && !p.defer_lse_total;
 
   // Attention: one wave of CTAs; at least one page per warp; at most max_splits splits.
   // Sparse attention with G > 8 runs as two CTAs of <= 8 heads per split: twice the CTAs, each with
@@ -232,6 +240,8 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device, bool balance) {
   p.off_counters = take(sizeof(uint32_t) * score_counters(sh.batch, sh.n_head_kv));
   p.off_counters_sparse = take(sizeof(uint32_t) * bh);
   p.off_counters_dense = take(sizeof(uint32_t) * bh);
+  p.off_score_ready = take(p.select_per_pair ? sizeof(uint32_t) * bh : 0);
+  p.off_ready_seen = take(p.select_per_pair ? sizeof(uint32_t) * bh * 16 : 0);
   p.off_status = take(sizeof(uint32_t));  // sticky: cleared by init_decode_workspace / read_decode_status
   p.counters_bytes = off - zero_begin;
   p.workspace_bytes = off;
@@ -280,6 +290,12 @@ float* plan_lse_total(const DecodePlan& plan, void* ws) { return at<float>(ws, p
 int32_t* plan_selected(const DecodePlan& plan, void* ws) { return at<int32_t>(ws, plan.off_selected); }
 int32_t* plan_n_selected(const DecodePlan& plan, void* ws) { return at<int32_t>(ws, plan.off_n_selected); }
 
+// The score pass publishes its pairs to a one-kernel select (a plan whose select_cluster_pages was
+// turned off after the fact runs the two kernels, which wait for the whole pass).
+namespace {
+bool select_per_pair(const DecodePlan& plan) { return plan.select_per_pair && plan.select_cluster_pages; }
+}  // namespace
+
 ScoreParams step_score_params(const DecodePlan& plan, const DecodeStepParams& p) {
   ScoreParams sp;
   sp.q = p.q;
@@ -300,6 +316,7 @@ ScoreParams step_score_params(const DecodePlan& plan, const DecodeStepParams& p)
   sp.status = at<uint32_t>(p.workspace, plan.off_status);
   sp.defer_lse_total = plan.defer_lse_total;
   sp.balance_chunks = plan.score_balance;
+  if (select_per_pair(plan)) sp.ready = at<uint32_t>(p.workspace, plan.off_score_ready);
   return sp;
 }
 
@@ -325,6 +342,10 @@ SelectParams step_select_params(const DecodePlan& plan, const DecodeStepParams& 
   se.pdl = plan.pdl;
   se.pdl_early_reads = plan.pdl;  // score_pages does not write the page table
   se.cluster_pages = plan.select_cluster_pages;
+  if (select_per_pair(plan)) {
+    se.score_ready = at<uint32_t>(p.workspace, plan.off_score_ready);
+    se.ready_seen = at<uint32_t>(p.workspace, plan.off_ready_seen);
+  }
   if (plan.defer_lse_total) {
     se.chunk_stats = at<float>(p.workspace, plan.off_chunk_stats);
     se.n_chunks = plan.score_chunks;

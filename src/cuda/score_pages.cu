@@ -279,10 +279,19 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
       for (int e = threadIdx.x; e < (n_chunks - n_chunks_b) * G; e += kThreads)
         reinterpret_cast<float2*>(p.chunk_stats)[(bh * 16 + e % G) * n_chunks + n_chunks_b + e / G] =
             make_float2(-INFINITY, 0.0f);
+    // ScoreParams::ready: a pair is published by its last active item, or, for bad input or an
+    // empty sequence, by item 0, which then writes every chunk's statistics itself (the other items
+    // write the same values).
     if (fault || n_pages == 0) {  // bad input: NaN; an empty sequence: no shares to normalise
       if (c == 0 && int(threadIdx.x) < G) p.lse_total[bh * G + threadIdx.x] = fault ? NAN : -INFINITY;
       if (c == 0 && threadIdx.x == 0 && fault) raise_status(p.status, fault);
       if (int(threadIdx.x) < G) chunk_stat(threadIdx.x) = fault ? make_float2(NAN, NAN) : make_float2(-INFINITY, 0.0f);
+      if (p.ready && c == 0) {
+        for (int e = threadIdx.x; e < n_chunks * G; e += kThreads)
+          reinterpret_cast<float2*>(p.chunk_stats)[(bh * 16 + e % G) * n_chunks + e / G] =
+              fault ? make_float2(NAN, NAN) : make_float2(-INFINITY, 0.0f);
+        publish_ready(p.ready + bh);
+      }
       continue;
     }
     const bool partial = last_len < kPageSize;
@@ -295,6 +304,12 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
     // merge them after any pass. Deferred: lse_total is NaN until select_pages writes it, so that a
     // select without the statistics fails loudly (n_selected = -1) instead of using a stale value.
     if (p.defer_lse_total && c == 0 && int(threadIdx.x) < G) p.lse_total[bh * G + threadIdx.x] = NAN;
+    // ScoreParams::ready: item 0 also writes the empty chunks' statistics, before the pair can be
+    // published (their own items may run later).
+    if (p.ready && c == 0)
+      for (int e = threadIdx.x; e < (n_chunks - active) * G; e += kThreads)
+        reinterpret_cast<float2*>(p.chunk_stats)[(bh * 16 + e % G) * n_chunks + active + e / G] =
+            make_float2(-INFINITY, 0.0f);
     if (c >= active) {
       if (int(threadIdx.x) < G) chunk_stat(threadIdx.x) = make_float2(-INFINITY, 0.0f);
       continue;
@@ -717,14 +732,16 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
       if (do_exact) lse2_merge(m, l, ex_s2[r], 1.0f);
       chunk_stat(r) = chunk_bad ? make_float2(NAN, NAN) : make_float2(m, l);
     }
-    if (p.defer_lse_total || !last_cta_done(p.counters + bh, uint32_t(active), &last_flag)) continue;
+    if ((p.defer_lse_total && !p.ready) || !last_cta_done(p.counters + bh, uint32_t(active), &last_flag)) continue;
 
     // Last CTA of (b, h): lse_total[g] = logsumexp over every page (the share normaliser, Eq. 5).
     // The statistics of all heads and (up to 128) chunks are loaded at once: this is the kernel's tail,
     // where each further round trip adds to the step.
-    merge_chunk_stats<(GT + kWarps - 1) / kWarps>(
-        reinterpret_cast<const float2*>(p.chunk_stats) + bh * 16 * n_chunks, n_chunks, active, G, warp, kWarps,
-        [&](int r, float v) { p.lse_total[bh * G + r] = v * kLn2; });
+    if (!p.defer_lse_total)
+      merge_chunk_stats<(GT + kWarps - 1) / kWarps>(
+          reinterpret_cast<const float2*>(p.chunk_stats) + bh * 16 * n_chunks, n_chunks, active, G, warp, kWarps,
+          [&](int r, float v) { p.lse_total[bh * G + r] = v * kLn2; });
+    if (p.ready) publish_ready(p.ready + bh);
   }
 }
 

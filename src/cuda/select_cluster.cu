@@ -29,13 +29,13 @@ constexpr int kRoundPages = 4 * kFusedThreads;  // pages of one round of loads (
 static_assert(kClusterSelectPages % kRoundPages == 0 && kClusterSelectPages / 32 <= kFusedThreads,
               "whole rounds; one bitmap word per thread");
 
-struct FusedSelectSmem {
+// The dynamic shared memory: this header, then the CTA's keys[P] (bit 31 set: the page's key, for
+// positions 1 .. n - 2 only) and bitmap[P / 32], so that a CTA holds only the pages it takes.
+struct alignas(16) FusedSelectSmem {
   uint32_t hist[kHistBins];              // this CTA's histogram of share bits 30..20 (read by the cluster)
   // The cluster's histogram in [0, kHistBins) (above 2 CTAs, this CTA's slice of its sums in the
   // upper half first); after barrier 2 the leader's second level.
   uint32_t sub[kSubBins];
-  uint32_t keys[kClusterSelectPages];    // bit 31 set: the page's key (positions 1 .. n - 2 only)
-  uint32_t bitmap[kClusterSelectPages / 32];
   unsigned long long cand[kCandCap];     // leader: the threshold bin's keys, ranked(key, page)
   int counts[kMaxSelectCluster];         // leader: each CTA's pages above the bin (+ sink / recent)
   int taken[kMaxSelectCluster];          // leader: each CTA's pages of the bin that are in
@@ -43,12 +43,34 @@ struct FusedSelectSmem {
   int offset;                            // from the leader: this CTA's first output position
   unsigned long long thr;                // from the leader: keys of the bin from thr up are in
 };
+constexpr size_t fused_smem_bytes(int pages_per_cta) {
+  return sizeof(FusedSelectSmem) + size_t(pages_per_cta) * 4 + size_t(pages_per_cta) / 8;
+}
+
+// The kernel's start with SelectParams::score_ready: the page count (the score pass does not write
+// the page table), then, instead of the PDL wait for the whole score grid, thread 0 waits for this
+// (sequence, KV head)'s count to pass this CTA's ready_seen entry. Every CTA waits, bad input or not,
+// so that each step advances every entry once.
+__device__ __forceinline__ int wait_for_score(const SelectParams& p, int b, size_t bh, int r) {
+  const int n = p.indptr[b + 1] - p.indptr[b];
+  pdl_launch_dependents();
+  if (threadIdx.x == 0) {
+    uint32_t* seen = p.ready_seen + bh * kMaxSelectCluster + r;
+    const uint32_t want = *seen + 1u;
+    wait_ready(p.score_ready + bh, want);
+    *seen = want;
+  }
+  __syncthreads();
+  return n;
+}
 
 template <int GT, bool MERGE>
 __global__ void __launch_bounds__(kFusedThreads, 1) share_select_cluster_kernel(SelectParams p) {
   namespace cg = cooperative_groups;
   extern __shared__ __align__(16) unsigned char fused_smem[];
   FusedSelectSmem& s = *reinterpret_cast<FusedSelectSmem*>(fused_smem);
+  uint32_t* const keys = reinterpret_cast<uint32_t*>(fused_smem + sizeof(FusedSelectSmem));
+  uint32_t* const bitmap = keys + p.cluster_pages;
   __shared__ float lse2[kMaxGroup];
   __shared__ uint32_t rhist[256];
   __shared__ int sh_bin;
@@ -61,7 +83,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) share_select_cluster_kernel(
   const int r = int(cluster.block_rank()), C = int(cluster.num_blocks());
   const int b = blockIdx.z, h = blockIdx.y, t = int(threadIdx.x);
   const size_t bh = size_t(b) * p.n_head_kv + h;
-  const int n = page_count(p, b);
+  const int n = p.score_ready ? wait_for_score(p, b, bh, r) : page_count(p, b);
   const int P = p.cluster_pages, j0 = r * P;
   const int G = p.group;
   // Round q of a thread: the 4 pages at local index l(q) = q * kRoundPages + 4 t (coalesced rows).
@@ -76,8 +98,8 @@ __global__ void __launch_bounds__(kFusedThreads, 1) share_select_cluster_kernel(
   load_log_mass_rows(lm, col + local(0), 0, G, p.log_mass_stride, mine(0));
   for (int i = t; i < kHistBins; i += kFusedThreads) s.hist[i] = 0;
   for (int q = 0; q < rounds; ++q)
-    if (local(q) < P) *reinterpret_cast<uint4*>(&s.keys[local(q)]) = make_uint4(0u, 0u, 0u, 0u);
-  for (int w = t; w < P / 32; w += kFusedThreads) s.bitmap[w] = 0;
+    if (local(q) < P) *reinterpret_cast<uint4*>(&keys[local(q)]) = make_uint4(0u, 0u, 0u, 0u);
+  for (int w = t; w < P / 32; w += kFusedThreads) bitmap[w] = 0;
   if (t == 0) s.n_cand = 0;
   if (bad) {
     if (r == 0 && t == 0) p.n_selected[bh] = -1;
@@ -118,7 +140,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) share_select_cluster_kernel(
       if (topk && jj >= 1 && jj <= n - 2) {
         const uint32_t key = __float_as_uint(share);
         atomicAdd(&s.hist[key >> 20], 1u);
-        s.keys[local(q) + e] = key | 0x80000000u;  // shares are >= 0: bit 31 is free
+        keys[local(q) + e] = key | 0x80000000u;  // shares are >= 0: bit 31 is free
       }
     }
   }
@@ -191,9 +213,9 @@ __global__ void __launch_bounds__(kFusedThreads, 1) share_select_cluster_kernel(
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int l = local(q) + e;
-      const uint32_t mk = l < P ? s.keys[l] : 0u, key = mk & 0x7fffffffu;
+      const uint32_t mk = l < P ? keys[l] : 0u, key = mk & 0x7fffffffu;
       const bool has = mk & 0x80000000u;
-      if (has && (key >> 20) > tstar) atomicOr(&s.bitmap[l >> 5], 1u << (l & 31));
+      if (has && (key >> 20) > tstar) atomicOr(&bitmap[l >> 5], 1u << (l & 31));
       const bool in_bin = has && (key >> 20) == tstar;
       const unsigned ballot = __ballot_sync(kFull, in_bin);
       if (!ballot) continue;
@@ -203,14 +225,14 @@ __global__ void __launch_bounds__(kFusedThreads, 1) share_select_cluster_kernel(
       if (in_bin && base < kCandCap) leader.cand[base] = ranked(key, j0 + l);
     }
   if (t == 0) {
-    if (r == 0) atomicOr(&s.bitmap[0], 1u);  // sink page
+    if (r == 0) atomicOr(&bitmap[0], 1u);  // sink page
     const int last = n - 1 - j0;             // recent page
-    if (last >= 0 && last < P) atomicOr(&s.bitmap[last >> 5], 1u << (last & 31));
+    if (last >= 0 && last < P) atomicOr(&bitmap[last >> 5], 1u << (last & 31));
   }
   __syncthreads();
   {
     int mine_above = 0;
-    for (int w = t; w < P / 32; w += kFusedThreads) mine_above += __popc(s.bitmap[w]);
+    for (int w = t; w < P / 32; w += kFusedThreads) mine_above += __popc(bitmap[w]);
     const int above = cub::BlockReduce<int, kFusedThreads>(reduce_tmp).Sum(mine_above);
     if (t == 0) leader.counts[r] = above;
   }
@@ -245,7 +267,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) share_select_cluster_kernel(
       // Very many equal-looking shares (e.g. identical pages): the same select over the cluster's keys.
       auto src = [&](int i) -> unsigned long long {
         const int c = i / P, e = i - c * P;
-        const uint32_t mk = *cluster.map_shared_rank(&s.keys[e], c), key = mk & 0x7fffffffu;
+        const uint32_t mk = *cluster.map_shared_rank(keys + e, c), key = mk & 0x7fffffffu;
         return (mk & 0x80000000u) && (key >> 20) == tstar ? ranked(key, c * P + e) : 0ull;
       };
       const int span = min(C * P, n);  // pages past the sequence hold no key
@@ -272,13 +294,13 @@ __global__ void __launch_bounds__(kFusedThreads, 1) share_select_cluster_kernel(
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int l = local(q) + e;
-      const uint32_t mk = l < P ? s.keys[l] : 0u, key = mk & 0x7fffffffu;
+      const uint32_t mk = l < P ? keys[l] : 0u, key = mk & 0x7fffffffu;
       if ((mk & 0x80000000u) && (key >> 20) == tstar && ranked(key, j0 + l) >= thr)
-        atomicOr(&s.bitmap[l >> 5], 1u << (l & 31));
+        atomicOr(&bitmap[l >> 5], 1u << (l & 31));
     }
   __syncthreads();
   // Bitmap -> ascending positions (one word per thread: P / 32 <= kFusedThreads).
-  const uint32_t word = t < P / 32 ? s.bitmap[t] : 0u;
+  const uint32_t word = t < P / 32 ? bitmap[t] : 0u;
   int offset = 0;
   cub::BlockScan<int, kFusedThreads>(scan_tmp).ExclusiveSum(__popc(word), offset);
   offset += s.offset;
@@ -299,7 +321,7 @@ auto cluster_select_kernel_for(int group, bool merge) {
 // current device.
 template <auto Kernel>
 cudaError_t prepare_cluster_select() {
-  cudaError_t e = allow_dynamic_smem<Kernel>(sizeof(FusedSelectSmem));
+  cudaError_t e = allow_dynamic_smem<Kernel>(fused_smem_bytes(kClusterSelectPages));
   if (e == cudaSuccess) e = allow_large_clusters<Kernel>();
   return e;
 }
@@ -313,8 +335,8 @@ cudaError_t prepare_cluster_select(int group, bool merge) {
 
 }  // namespace
 
-int select_max_active_clusters(int group, bool merge, int size) {
-  if (size < 1 || size > kMaxSelectCluster) return 0;
+int select_max_active_clusters(int group, bool merge, int size, int pages_per_cta) {
+  if (size < 1 || size > kMaxSelectCluster || pages_per_cta < 1 || pages_per_cta > kClusterSelectPages) return 0;
   if (prepare_cluster_select(group, merge) != cudaSuccess) {
     cudaGetLastError();
     return 0;
@@ -322,7 +344,7 @@ int select_max_active_clusters(int group, bool merge, int size) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(unsigned(size));
   cfg.blockDim = dim3(kFusedThreads);
-  cfg.dynamicSmemBytes = sizeof(FusedSelectSmem);
+  cfg.dynamicSmemBytes = fused_smem_bytes(pages_per_cta);
   cudaLaunchAttribute attr[1] = {cluster_dim_attr(size)};
   cfg.attrs = attr;
   cfg.numAttrs = 1;
@@ -338,12 +360,12 @@ cudaError_t select_pages_in_clusters(const SelectParams& p, cudaStream_t stream)
   if (p.cluster_pages < 32 || p.cluster_pages % 32 != 0 || p.cluster_pages > kClusterSelectPages)
     return cudaErrorInvalidValue;
   const long long clusters = (static_cast<long long>(p.log_mass_stride) + p.cluster_pages - 1) / p.cluster_pages;
-  if (clusters < 1 || clusters > kMaxSelectCluster) return cudaErrorInvalidValue;
+  if (clusters < 1 || clusters > kMaxSelectCluster || !p.score_ready != !p.ready_seen) return cudaErrorInvalidValue;
   const bool merge = p.chunk_stats != nullptr;
   if (const cudaError_t e = prepare_cluster_select(p.group, merge); e != cudaSuccess) return e;
   return launch(cluster_select_kernel_for(p.group, merge),
                 dim3(unsigned(clusters), unsigned(p.n_head_kv), unsigned(p.batch)), dim3(kFusedThreads),
-                sizeof(FusedSelectSmem), p.pdl, stream, p, int(clusters));
+                fused_smem_bytes(p.cluster_pages), p.pdl, stream, p, int(clusters));
 }
 
 }  // namespace locks::cuda

@@ -345,7 +345,8 @@ cudaError_t select_pages(const SelectParams& p, cudaStream_t stream) {
   const bool one_kernel = p.cluster_pages != 0;
   if (p.group < 1 || p.group > kMaxGroup || p.budget_pages < 2 || p.log_mass_stride <= 0 || !p.indptr || !p.log_mass ||
       !p.lse_total || (!one_kernel && (!p.keys || !p.hist)) || !p.selected || !p.n_selected ||
-      (p.chunk_stats && p.n_chunks < 1) || (!p.candidates != !p.n_candidates))
+      (p.chunk_stats && p.n_chunks < 1) || (!p.candidates != !p.n_candidates) ||
+      (!one_kernel && (p.score_ready || p.ready_seen)))
     return cudaErrorInvalidValue;
   if (one_kernel) return select_pages_in_clusters(p, stream);
   const size_t dyn = select_dynamic_smem(p.log_mass_stride);
