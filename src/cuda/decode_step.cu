@@ -157,27 +157,32 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device, bool balance) {
     const long share_ctas = bh * div_up(long(p.log_mass_stride), share_pages_per_cta());
     p.select_candidates = share_ctas <= long(p.n_sm) * share_ctas_per_sm(sh.group, p.defer_lse_total);
   }
-  // Shares and selection in one kernel (SelectParams::cluster_pages) where every (sequence, KV head)'s
-  // cluster fits at once: the histograms and the threshold bin's keys cross the cluster through
-  // distributed shared memory instead of global memory and a second kernel.
-  // The most CTAs per cluster that fit, from one per 4096 pages (one round of loads) down to one per
-  // kClusterSelectPages (eight rounds). H200, against the two kernels where only 4096 was tried:
-  // Llama 256K batch 8 284 -> 277 us, 1M tokens 2 KV heads batch 4 234 -> 224.
-  // (Where the clusters do not fit at once, the two kernels run.)
+  // Shares and selection in one kernel (SelectParams::cluster_pages): the histograms and the threshold
+  // bin's keys cross a cluster per (sequence, KV head) through distributed shared memory instead of
+  // global memory and a second kernel. It starts on each pair as the score pass completes it
+  // (select_per_pair), instead of after the whole pass, where the pass's last CTA of a pair merges
+  // lse_total anyway (no deferral): then the selection of early pairs overlaps the pass's tail. H200,
+  // 1M tokens, 4 KV heads, two runs each: batch 4 283.0-284.3 -> 279.0-279.2 us, batch 8 531.8-532.5
+  // -> 525.7-526.0. With the merge deferred (batch 1-2) the per-item counter this needs cost 0.5-2.5
+  // us, so those keep the PDL wait.
+  const bool per_pair = p.pdl && !p.defer_lse_total;
+  // The most CTAs per cluster, from one per 4096 pages (one round of loads) down to one per
+  // kClusterSelectPages (eight rounds), such that every cluster fits at once (H200, against the two
+  // kernels where only 4096 was tried: Llama 256K batch 8 284 -> 277 us, 1M tokens 2 KV heads batch 4
+  // 234 -> 224), or, per pair, such that the CTAs are at most one per SM: a cluster that starts late
+  // still waits only for its own pair (1M tokens, 4 KV heads, batch 8: 3 CTAs per cluster, all at
+  // once, 517.7-520.0 us; 4, one per SM but not all at once, 511.9-512.9; 8, two waves, 517.6-518.7;
+  // kv2 1M batch 8: 8 per cluster 402.7-403.6, 4 404.3-406.6; Llama 256K batch 8: 2 266.0-266.7, 4
+  // 276.3-277.1). Where none qualifies, the two kernels run.
   for (int clusters = std::min(16, div_up(p.log_mass_stride, 4096));
        clusters >= div_up(p.log_mass_stride, kClusterSelectPages) && !p.select_cluster_pages; --clusters) {
     const int per_cta = int(align_up(size_t(div_up(p.log_mass_stride, clusters)), 32));
-    if (div_up(p.log_mass_stride, per_cta) == clusters &&
-        bh <= select_max_active_clusters(sh.group, p.defer_lse_total, clusters, per_cta))
-      p.select_cluster_pages = per_cta;
+    if (div_up(p.log_mass_stride, per_cta) != clusters) continue;
+    const int fit = select_max_active_clusters(sh.group, p.defer_lse_total, clusters, per_cta);
+    if (per_pair ? fit >= 1 && bh * clusters <= p.n_sm : bh <= fit) p.select_cluster_pages = per_cta;
   }
   if (p.select_cluster_pages) p.select_candidates = false;
-  // The one-kernel select starts on each (sequence, KV head) as the score pass completes it, instead of
-  // after the whole pass, where the pass's last CTA of a pair merges lse_total anyway (no deferral):
-  // then the selection of early pairs overlaps the pass's tail. H200, 1M tokens, 4 KV heads, two runs
-  // each: batch 4 283.0-284.3 -> 279.0-279.2 us, batch 8 531.8-532.5 -> 525.7-526.0. With the merge
-  // deferred (batch 1-2) the per-item counter this needs cost 0.5-2.5 us, so those keep the PDL wait.
-  p.select_per_pair = p.pdl && p.select_cluster_pages && !p.defer_lse_total;
+  p.select_per_pair = per_pair && p.select_cluster_pages;
 
   // Attention: one wave of CTAs; at least one page per warp; at most max_splits splits.
   // Sparse attention with G > 8 runs as two CTAs of <= 8 heads per split: twice the CTAs, each with
