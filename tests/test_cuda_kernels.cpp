@@ -1422,8 +1422,10 @@ TEST(CudaAttention, ListsBeyondTheLaunchAreBadInput) {
 // The whole LOCKS step through the plan (GPU-built summaries), eager and from a CUDA graph.
 // expect_defer: the plan must leave the lse_total merge to select_pages (>= 32 score chunks).
 // cluster: leave the plan's sparse cluster merge and one-kernel select as they are (false: turn both off).
+// select_pages_per_cta: run the one-kernel select, started per pair, with this many pages per CTA
+// (more clusters than fit at once: the later ones wait for resources, not for each other).
 void run_step_test(World& w, int budget_pages, const char* what, bool expect_defer = false, bool balance = true,
-                   bool cluster = true) {
+                   bool cluster = true, int select_pages_per_cta = 0) {
   const auto q = w.queries(77);
   // GPU summaries of every full page.
   const std::vector<int32_t> pages = w.full_pages();
@@ -1433,6 +1435,10 @@ void run_step_test(World& w, int budget_pages, const char* what, bool expect_def
 
   lc::DecodePlan plan = lc::make_decode_plan(w.decode_shape(budget_pages), -1, balance);
   if (!cluster) plan.sparse_cluster_merge = false, plan.select_cluster_pages = 0;
+  if (select_pages_per_cta) {
+    ASSERT_TRUE(plan.select_per_pair) << what;
+    plan.select_cluster_pages = select_pages_per_cta;
+  }
   EXPECT_EQ(plan.defer_lse_total, plan.score_equal_chunks >= 32);
   EXPECT_EQ(plan.score_balance, balance);
   EXPECT_EQ(plan.dense_balance, balance);
@@ -1545,6 +1551,17 @@ TEST(CudaDecodeStep, LocksStepMatchesCpuRandomPages) {
     run_step_test(w, 32, "random, deferred merge", /*expect_defer=*/true);
     run_step_test(w, 32, "random, deferred merge, no clusters", /*expect_defer=*/true, true, /*cluster=*/false);
   }
+}
+
+// The select started per (sequence, KV head) as the score pass completes it (DecodePlan::
+// select_per_pair), with 80 pairs of 3-CTA clusters of 1024 threads: more CTAs than SMs, so several
+// waves of them. No cluster may wait on one that is not yet resident; the results must equal the CPU's.
+TEST(CudaDecodeStep, PerPairSelectInSeveralWaves) {
+  SKIP_WITHOUT_CUDA();
+  std::vector<int> lens;
+  for (int i = 0; i < 40; ++i) lens.push_back(16 * (30 + (i * 7) % 50) + i % 16);
+  World w(128, 2, 4, lens, lc::KvType::kF16, 4242, false);
+  run_step_test(w, 8, "per pair, several waves", false, true, true, /*select_pages_per_cta=*/32);
 }
 
 // Bad device-side page tables (kernels.h): the bad sequence (the last) gets NaN outputs and a status

@@ -169,17 +169,17 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device, bool balance) {
   // The most CTAs per cluster, from one per 4096 pages (one round of loads) down to one per
   // kClusterSelectPages (eight rounds), such that every cluster fits at once (H200, against the two
   // kernels where only 4096 was tried: Llama 256K batch 8 284 -> 277 us, 1M tokens 2 KV heads batch 4
-  // 234 -> 224), or, per pair, such that the CTAs are at most one per SM: a cluster that starts late
-  // still waits only for its own pair (1M tokens, 4 KV heads, batch 8: 3 CTAs per cluster, all at
-  // once, 517.7-520.0 us; 4, one per SM but not all at once, 511.9-512.9; 8, two waves, 517.6-518.7;
-  // kv2 1M batch 8: 8 per cluster 402.7-403.6, 4 404.3-406.6; Llama 256K batch 8: 2 266.0-266.7, 4
-  // 276.3-277.1). Where none qualifies, the two kernels run.
+  // 234 -> 224). Started per pair, clusters that do not fit at once would only wait for resources, but
+  // the second wave cost more than more CTAs per cluster saved, except in one shape (1M tokens, two
+  // runs each, one call: 2 KV heads batch 8, 8 CTAs per cluster 415.3-415.6 us against 402.7-403.6 all
+  // at once; 4 KV heads batch 8, 4 CTAs 511.9-512.9 against 3 all at once 517.7-520.0). Where none
+  // fits, the two kernels run.
   for (int clusters = std::min(16, div_up(p.log_mass_stride, 4096));
        clusters >= div_up(p.log_mass_stride, kClusterSelectPages) && !p.select_cluster_pages; --clusters) {
     const int per_cta = int(align_up(size_t(div_up(p.log_mass_stride, clusters)), 32));
-    if (div_up(p.log_mass_stride, per_cta) != clusters) continue;
-    const int fit = select_max_active_clusters(sh.group, p.defer_lse_total, clusters, per_cta);
-    if (per_pair ? fit >= 1 && bh * clusters <= p.n_sm : bh <= fit) p.select_cluster_pages = per_cta;
+    if (div_up(p.log_mass_stride, per_cta) == clusters &&
+        bh <= select_max_active_clusters(sh.group, p.defer_lse_total, clusters, per_cta))
+      p.select_cluster_pages = per_cta;
   }
   if (p.select_cluster_pages) p.select_candidates = false;
   p.select_per_pair = per_pair && p.select_cluster_pages;

@@ -235,8 +235,7 @@ struct SelectParams {
   /// exchange their histograms, the threshold bin's candidates and their counts through distributed
   /// shared memory (three or four cluster barriers), so keys, hist and candidates are not used.
   /// cluster_pages: a multiple of 32, at most kClusterSelectPages. The decode plan uses it where the
-  /// clusters of a step fit at once, or, with score_ready (below), where its CTAs are at most one per
-  /// SM (DecodePlan::select_cluster_pages). The CTAs of a cluster must
+  /// clusters of a step fit at once (DecodePlan::select_cluster_pages). The CTAs of a cluster must
   /// agree on a sequence's page count, so indptr must not change while the kernel runs (with
   /// pdl_early_reads: the previous kernel must not write it); else the kernel may hang.
   int cluster_pages = 0;
