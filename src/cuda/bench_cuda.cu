@@ -243,6 +243,7 @@ int run_bench(const BenchOptions& o) {
   const auto shapes = o.shapes.empty() ? default_bench_shapes() : o.shapes;
   const int budget_pages = o.budget_tokens / 16;
   std::string two_kernel_select;  // rows whose plan selects with the two kernels
+  std::string per_pair_select;    // rows whose plan starts the select per (sequence, KV head)
   for (const BenchShape& sh : shapes)
     for (int ctx : sh.contexts)
       for (int B : o.batches) {
@@ -365,9 +366,10 @@ int run_bench(const BenchOptions& o) {
         ds.budget_pages = budget_pages;
         DecodePlan plan = make_decode_plan(ds, dev, o.balance);
         plan.pdl = o.pdl;
-        if (plan.select_cluster_pages == 0)  // the plan's select: one kernel unless listed below the table
-          two_kernel_select += (two_kernel_select.empty() ? "" : ", ") + sh.name + " " + std::to_string(ctx / 1024) +
-                               "K b" + std::to_string(B);
+        // The plan's select, listed below the table: one kernel unless listed; per pair where listed.
+        const std::string row = sh.name + " " + std::to_string(ctx / 1024) + "K b" + std::to_string(B);
+        if (plan.select_cluster_pages == 0) two_kernel_select += (two_kernel_select.empty() ? "" : ", ") + row;
+        if (plan.select_per_pair) per_pair_select += (per_pair_select.empty() ? "" : ", ") + row;
         DevMem ws(plan.workspace_bytes), q(size_t(B) * H * G * D * 4), out(size_t(B) * H * G * D * 4),
             lse(size_t(B) * H * G * 4);
         ck(init_decode_workspace(plan, ws.p, s), "init");
@@ -459,6 +461,10 @@ int run_bench(const BenchOptions& o) {
   if (csv) std::fclose(csv);
   std::printf("\nselect: one kernel (SelectParams::cluster_pages) in every row but: %s\n",
               two_kernel_select.empty() ? "none" : two_kernel_select.c_str());
+  std::printf(
+      "select started per (sequence, KV head) as the score pass completes it (DecodePlan::select_per_pair) "
+      "in: %s\n",
+      per_pair_select.empty() ? "none" : per_pair_select.c_str());
   std::printf(
       "\nbuild Mpage/s: (page, KV head) summaries per second, all full pages of the batch in one launch; "
       "build/step: building one new page per sequence (every 16 decode steps), amortised per step, over "
