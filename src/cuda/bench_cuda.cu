@@ -385,17 +385,15 @@ int run_bench(const BenchOptions& o) {
         sp.workspace = ws.p;
 
         // Graphs: full LOCKS step; score only; score + select; sparse attention only; dense.
-        const ScoreParams scp = step_score_params(plan, sp);
-        const SelectParams sep = step_select_params(plan, sp);
+        const ScoreParams scp = step_score_params(plan, sp), scp_paired = step_score_params(plan, sp, true);
+        const SelectParams sep = step_select_params(plan, sp, true);  // after scp_paired, as in the step
         const AttentionParams atp = step_attention_params(plan, sp, /*sparse=*/true);
         cudaGraphExec_t g_locks = capture(s, [&] { ck(locks_decode_step(plan, sp, s), "locks step"); });
         cudaGraphExec_t g_dense = capture(s, [&] { ck(dense_decode_step(plan, sp, s), "dense step"); });
         // The score pass alone publishes no pairs (DecodePlan::select_per_pair): no select consumes them.
-        ScoreParams scp_alone = scp;
-        scp_alone.ready = nullptr;
-        cudaGraphExec_t g_score = capture(s, [&] { ck(score_pages(scp_alone, s), "score"); });
+        cudaGraphExec_t g_score = capture(s, [&] { ck(score_pages(scp, s), "score"); });
         cudaGraphExec_t g_ss = capture(s, [&] {
-          ck(score_pages(scp, s), "score");
+          ck(score_pages(scp_paired, s), "score");
           ck(select_pages(sep, s), "select");
         });
         cudaGraphExec_t g_attn = capture(s, [&] { ck(paged_decode_attention(atp, s), "sparse attention"); });

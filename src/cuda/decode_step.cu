@@ -301,7 +301,7 @@ namespace {
 bool select_per_pair(const DecodePlan& plan) { return plan.select_per_pair && plan.select_cluster_pages; }
 }  // namespace
 
-ScoreParams step_score_params(const DecodePlan& plan, const DecodeStepParams& p) {
+ScoreParams step_score_params(const DecodePlan& plan, const DecodeStepParams& p, bool paired) {
   ScoreParams sp;
   sp.q = p.q;
   sp.kv = p.kv;
@@ -321,11 +321,11 @@ ScoreParams step_score_params(const DecodePlan& plan, const DecodeStepParams& p)
   sp.status = at<uint32_t>(p.workspace, plan.off_status);
   sp.defer_lse_total = plan.defer_lse_total;
   sp.balance_chunks = plan.score_balance;
-  if (select_per_pair(plan)) sp.ready = at<uint32_t>(p.workspace, plan.off_score_ready);
+  if (paired && select_per_pair(plan)) sp.ready = at<uint32_t>(p.workspace, plan.off_score_ready);
   return sp;
 }
 
-SelectParams step_select_params(const DecodePlan& plan, const DecodeStepParams& p) {
+SelectParams step_select_params(const DecodePlan& plan, const DecodeStepParams& p, bool paired) {
   const DecodeShape& sh = plan.shape;
   SelectParams se;
   se.batch = sh.batch;
@@ -347,7 +347,7 @@ SelectParams step_select_params(const DecodePlan& plan, const DecodeStepParams& 
   se.pdl = plan.pdl;
   se.pdl_early_reads = plan.pdl;  // score_pages does not write the page table
   se.cluster_pages = plan.select_cluster_pages;
-  if (select_per_pair(plan)) {
+  if (paired && select_per_pair(plan)) {
     se.score_ready = at<uint32_t>(p.workspace, plan.off_score_ready);
     se.ready_seen = at<uint32_t>(p.workspace, plan.off_ready_seen);
   }
@@ -388,8 +388,8 @@ AttentionParams step_attention_params(const DecodePlan& plan, const DecodeStepPa
 }
 
 cudaError_t locks_decode_step(const DecodePlan& plan, const DecodeStepParams& p, cudaStream_t stream) {
-  cudaError_t e = score_pages(step_score_params(plan, p), stream);
-  if (e == cudaSuccess) e = select_pages(step_select_params(plan, p), stream);
+  cudaError_t e = score_pages(step_score_params(plan, p, /*paired=*/true), stream);
+  if (e == cudaSuccess) e = select_pages(step_select_params(plan, p, /*paired=*/true), stream);
   if (e == cudaSuccess) e = paged_decode_attention(step_attention_params(plan, p, /*sparse=*/true), stream);
   return e;
 }

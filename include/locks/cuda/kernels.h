@@ -394,8 +394,13 @@ cudaError_t dense_decode_step(const DecodePlan& plan, const DecodeStepParams& p,
 /// The launches a step makes, one by one (for benchmarks that time them apart): the parameters
 /// locks_decode_step passes to score_pages, select_pages and (sparse) paged_decode_attention, and
 /// dense_decode_step to paged_decode_attention.
-ScoreParams step_score_params(const DecodePlan& plan, const DecodeStepParams& p);
-SelectParams step_select_params(const DecodePlan& plan, const DecodeStepParams& p);
+/// paired: the score pass and the select are launched together, one after the other, as
+/// locks_decode_step does; with DecodePlan::select_per_pair the select then starts on each (sequence,
+/// KV head) as the score pass completes it (ScoreParams::ready, SelectParams::score_ready). Pass the
+/// same value to both; unpaired (the default), each waits for the whole previous kernel (PDL), so a
+/// score pass may also be launched alone.
+ScoreParams step_score_params(const DecodePlan& plan, const DecodeStepParams& p, bool paired = false);
+SelectParams step_select_params(const DecodePlan& plan, const DecodeStepParams& p, bool paired = false);
 AttentionParams step_attention_params(const DecodePlan& plan, const DecodeStepParams& p, bool sparse);
 
 /// The workspace's status word (DecodeStatus bits, set by any step since the last clear), copied to
