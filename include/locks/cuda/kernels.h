@@ -388,6 +388,9 @@ struct DecodeStepParams {
   float* lse = nullptr;  // nullable
   void* workspace = nullptr;
 };
+/// Enqueues the three launches (no host synchronisation; capturable in a CUDA graph). Returns the
+/// first launch error; after an error, run init_decode_workspace before the next step (a score pass
+/// may have been enqueued without its select, which would leave the per-pair counters out of step).
 cudaError_t locks_decode_step(const DecodePlan& plan, const DecodeStepParams& p, cudaStream_t stream);
 /// Dense step over every page (same kernel, more splits).
 cudaError_t dense_decode_step(const DecodePlan& plan, const DecodeStepParams& p, cudaStream_t stream);
