@@ -369,7 +369,7 @@ int run_bench(const BenchOptions& o) {
         // The plan's select, listed below the table: one kernel unless listed; per pair where listed.
         const std::string row = sh.name + " " + std::to_string(ctx / 1024) + "K b" + std::to_string(B);
         if (plan.select_cluster_pages == 0) two_kernel_select += (two_kernel_select.empty() ? "" : ", ") + row;
-        if (plan.select_per_pair) per_pair_select += (per_pair_select.empty() ? "" : ", ") + row;
+        if (plan.select_per_pair && plan.pdl) per_pair_select += (per_pair_select.empty() ? "" : ", ") + row;
         DevMem ws(plan.workspace_bytes), q(size_t(B) * H * G * D * 4), out(size_t(B) * H * G * D * 4),
             lse(size_t(B) * H * G * 4);
         ck(init_decode_workspace(plan, ws.p, s), "init");

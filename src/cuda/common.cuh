@@ -221,7 +221,8 @@ __device__ __forceinline__ bool last_cta_done(uint32_t* counter, uint32_t n_ctas
 // A kernel's results handed to a kernel that runs beside it (ScoreParams::ready): every thread of
 // the CTA calls publish_ready after its writes, and *flag goes up by one once they are visible at
 // the GPU; the reader waits in wait_ready for the count it expects (ld.acquire), so that its loads
-// after it see those writes.
+// after it see those writes. A count that does not come within kReadyTimeoutNs (a reader launched
+// without its writer: a misuse of the API) stops the kernel with a message instead of hanging.
 __device__ __forceinline__ void publish_ready(uint32_t* flag) {
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -229,11 +230,25 @@ __device__ __forceinline__ void publish_ready(uint32_t* flag) {
     atomicAdd(flag, 1u);
   }
 }
+constexpr unsigned long long kReadyTimeoutNs = 10'000'000'000ull;
+__device__ __forceinline__ unsigned long long global_timer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
 __device__ __forceinline__ void wait_ready(const uint32_t* flag, uint32_t want) {
+  const unsigned long long t0 = global_timer_ns();
   for (;;) {
     uint32_t v;
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
     if (int(v - want) >= 0) return;
+    if (global_timer_ns() - t0 > kReadyTimeoutNs) {
+      printf("locks: a kernel waited 10 s for results published by the previous one (its ready counter %u, "
+             "expected %u): it was launched without its writer (ScoreParams::ready / SelectParams::score_ready "
+             "must come in pairs; after a failed step run init_decode_workspace)\n",
+             v, want);
+      __trap();
+    }
     __nanosleep(32);
   }
 }

@@ -174,7 +174,7 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device, bool balance) {
   // runs each, one call: 2 KV heads batch 8, 8 CTAs per cluster 415.3-415.6 us against 402.7-403.6 all
   // at once; 4 KV heads batch 8, 4 CTAs 511.9-512.9 against 3 all at once 517.7-520.0). Where none
   // fits, the two kernels run.
-  for (int clusters = std::min(16, div_up(p.log_mass_stride, 4096));
+  for (int clusters = std::min(kSelectClusterMaxCtas, div_up(p.log_mass_stride, 4096));
        clusters >= div_up(p.log_mass_stride, kClusterSelectPages) && !p.select_cluster_pages; --clusters) {
     const int per_cta = int(align_up(size_t(div_up(p.log_mass_stride, clusters)), 32));
     if (div_up(p.log_mass_stride, per_cta) == clusters &&
@@ -246,7 +246,7 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device, bool balance) {
   p.off_counters_sparse = take(sizeof(uint32_t) * bh);
   p.off_counters_dense = take(sizeof(uint32_t) * bh);
   p.off_score_ready = take(p.select_per_pair ? sizeof(uint32_t) * bh : 0);
-  p.off_ready_seen = take(p.select_per_pair ? sizeof(uint32_t) * bh * 16 : 0);
+  p.off_ready_seen = take(p.select_per_pair ? sizeof(uint32_t) * bh * kSelectClusterMaxCtas : 0);
   p.off_status = take(sizeof(uint32_t));  // sticky: cleared by init_decode_workspace / read_decode_status
   p.counters_bytes = off - zero_begin;
   p.workspace_bytes = off;
@@ -295,10 +295,12 @@ float* plan_lse_total(const DecodePlan& plan, void* ws) { return at<float>(ws, p
 int32_t* plan_selected(const DecodePlan& plan, void* ws) { return at<int32_t>(ws, plan.off_selected); }
 int32_t* plan_n_selected(const DecodePlan& plan, void* ws) { return at<int32_t>(ws, plan.off_n_selected); }
 
-// The score pass publishes its pairs to a one-kernel select (a plan whose select_cluster_pages was
-// turned off after the fact runs the two kernels, which wait for the whole pass).
+// The score pass publishes its pairs to a one-kernel select (a plan whose select_cluster_pages or pdl
+// was turned off after the fact waits for whole kernels).
 namespace {
-bool select_per_pair(const DecodePlan& plan) { return plan.select_per_pair && plan.select_cluster_pages; }
+bool select_per_pair(const DecodePlan& plan) {
+  return plan.select_per_pair && plan.select_cluster_pages && plan.pdl && !plan.defer_lse_total;
+}
 }  // namespace
 
 ScoreParams step_score_params(const DecodePlan& plan, const DecodeStepParams& p, bool paired) {

@@ -280,12 +280,14 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
         reinterpret_cast<float2*>(p.chunk_stats)[(bh * 16 + e % G) * n_chunks + n_chunks_b + e / G] =
             make_float2(-INFINITY, 0.0f);
     // ScoreParams::ready: a pair is published by its last active item, or, for bad input or an
-    // empty sequence, by item 0, which then writes every chunk's statistics itself (the other items
-    // write the same values).
+    // empty sequence, by item 0, which then writes every chunk's statistics itself. Nothing of a pair
+    // is written after it is published (the select that reads it need not wait for this grid, so a
+    // late write could land in the next step): the other items leave those statistics alone.
     if (fault || n_pages == 0) {  // bad input: NaN; an empty sequence: no shares to normalise
       if (c == 0 && int(threadIdx.x) < G) p.lse_total[bh * G + threadIdx.x] = fault ? NAN : -INFINITY;
       if (c == 0 && threadIdx.x == 0 && fault) raise_status(p.status, fault);
-      if (int(threadIdx.x) < G) chunk_stat(threadIdx.x) = fault ? make_float2(NAN, NAN) : make_float2(-INFINITY, 0.0f);
+      if (!p.ready && int(threadIdx.x) < G)
+        chunk_stat(threadIdx.x) = fault ? make_float2(NAN, NAN) : make_float2(-INFINITY, 0.0f);
       if (p.ready && c == 0) {
         for (int e = threadIdx.x; e < n_chunks * G; e += kThreads)
           reinterpret_cast<float2*>(p.chunk_stats)[(bh * 16 + e % G) * n_chunks + e / G] =
@@ -304,14 +306,14 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
     // merge them after any pass. Deferred: lse_total is NaN until select_pages writes it, so that a
     // select without the statistics fails loudly (n_selected = -1) instead of using a stale value.
     if (p.defer_lse_total && c == 0 && int(threadIdx.x) < G) p.lse_total[bh * G + threadIdx.x] = NAN;
-    // ScoreParams::ready: item 0 also writes the empty chunks' statistics, before the pair can be
-    // published (their own items may run later).
+    // ScoreParams::ready: item 0 (always active) writes the empty chunks' statistics instead of their
+    // own items, before the pair can be published.
     if (p.ready && c == 0)
       for (int e = threadIdx.x; e < (n_chunks - active) * G; e += kThreads)
         reinterpret_cast<float2*>(p.chunk_stats)[(bh * 16 + e % G) * n_chunks + active + e / G] =
             make_float2(-INFINITY, 0.0f);
     if (c >= active) {
-      if (int(threadIdx.x) < G) chunk_stat(threadIdx.x) = make_float2(-INFINITY, 0.0f);
+      if (!p.ready && int(threadIdx.x) < G) chunk_stat(threadIdx.x) = make_float2(-INFINITY, 0.0f);
       continue;
     }
 
@@ -815,7 +817,8 @@ cudaError_t score_pages(const ScoreParams& p, cudaStream_t stream) {
   if (p.group < 1 || p.group > kMaxGroup || p.chunk_pages <= 0 || p.chunk_pages % 32 != 0 || p.n_chunks <= 0 ||
       p.log_mass_stride <= 0 || p.n_pages_pool <= 0 || !p.q || !p.summaries || !p.log_mass || !p.lse_total ||
       !p.chunk_stats || !p.counters || !p.kv.indptr || !p.kv.indices || !p.kv.last_page_len || !p.kv.k ||
-      reinterpret_cast<uintptr_t>(p.q) % 16 != 0)  // q is read as float4
+      reinterpret_cast<uintptr_t>(p.q) % 16 != 0 ||  // q is read as float4
+      (p.ready && p.defer_lse_total))               // ready: the pass merges lse_total itself
     return cudaErrorInvalidValue;
   switch (p.kv.head_dim) {
     case 64:

@@ -15,14 +15,14 @@ using namespace detail;
 
 // One kernel for shares and selection (SelectParams::cluster_pages): a cluster of C CTAs per
 // (sequence, KV head), CTA r holding pages [r * P, (r + 1) * P) (4 per thread and round of loads, up
-// to 4 rounds). What the two
+// to 8 rounds). What the two
 // kernels pass through global memory (keys, the histogram, candidate lists) stays in shared memory
 // and crosses the cluster through DSMEM: every CTA sums the cluster's histograms and finds the
 // threshold bin itself (barrier 1), sends its threshold-bin keys and its count of pages above the bin
 // to the leader (CTA 0; barrier 2), which resolves the bin exactly and sends each CTA the threshold
 // key and the offset of its positions (barrier 3).
 constexpr int kFusedThreads = kSelectThreads;
-constexpr int kMaxSelectCluster = 16;
+constexpr int kMaxSelectCluster = kSelectClusterMaxCtas;
 constexpr int kDirectGather = 2;      // clusters up to this size sum the histograms directly (below)
 constexpr int kRankCandidates = 256;  // the leader ranks up to this many candidates directly
 constexpr int kRoundPages = 4 * kFusedThreads;  // pages of one round of loads (4 per thread)
@@ -55,10 +55,11 @@ __device__ __forceinline__ int wait_for_score(const SelectParams& p, int b, size
   const int n = p.indptr[b + 1] - p.indptr[b];
   pdl_launch_dependents();
   if (threadIdx.x == 0) {
+    // At the L2: the previous step's select (on any SM) wrote it, and no grid wait orders that.
     uint32_t* seen = p.ready_seen + bh * kMaxSelectCluster + r;
-    const uint32_t want = *seen + 1u;
+    const uint32_t want = __ldcg(seen) + 1u;
     wait_ready(p.score_ready + bh, want);
-    *seen = want;
+    __stcg(seen, want);
   }
   __syncthreads();
   return n;

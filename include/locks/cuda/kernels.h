@@ -172,10 +172,11 @@ struct ScoreParams {
   /// defer_lse_total: once select_pages has merged the chunk statistics); that sequence's log_mass
   /// values are then unspecified.
   uint32_t* status = nullptr;
-  /// Nullable: workspace [batch * n_head_kv], zero before the first launch. With it, the item that
-  /// completes (b, h) (every item of the pair counted, whatever its outcome; after the lse_total
-  /// merge, where this pass does it) adds 1 to ready[b * n_head_kv + h] once the pair's log_mass,
-  /// chunk statistics and lse_total are visible at the GPU, so that the one-kernel select
+  /// Nullable: workspace [batch * n_head_kv], zero before the first launch; not with
+  /// defer_lse_total (cudaErrorInvalidValue). With it, the last active item of (b, h) (after its
+  /// lse_total merge), or item 0 for bad input or an empty sequence, adds 1 to
+  /// ready[b * n_head_kv + h] once the pair's log_mass, chunk statistics and lse_total are visible
+  /// at the GPU (nothing of the pair is written after that), so that the one-kernel select
   /// (SelectParams::score_ready) starts on that pair while other pairs are still being scored. Each
   /// launch with it must be followed by exactly one select_pages with score_ready (as
   /// locks_decode_step does); init_decode_workspace resets both sides.
@@ -229,9 +230,10 @@ struct SelectParams {
   unsigned long long* candidates = nullptr;
   int32_t* n_candidates = nullptr;
   /// 0: the two kernels above. Otherwise one kernel: each (sequence, KV head) is one thread-block
-  /// cluster of C = ceil(log_mass_stride / cluster_pages) CTAs of 1024 threads (C <= 16), CTA r taking
-  /// pages [r * cluster_pages, (r + 1) * cluster_pages), 4 per thread and round of loads (4096 pages a
-  /// round; shared memory 57 KB + 4.125 bytes per page: 189 KB at kClusterSelectPages); the CTAs
+  /// cluster of C = ceil(log_mass_stride / cluster_pages) CTAs of 1024 threads (C <=
+  /// kSelectClusterMaxCtas), CTA r taking pages [r * cluster_pages, (r + 1) * cluster_pages), 4 per
+  /// thread and round of loads (4096 pages a round; shared memory ~10 KB static + 57 KB + 4.125 bytes
+  /// per page: 198 KB at kClusterSelectPages); the CTAs
   /// exchange their histograms, the threshold bin's candidates and their counts through distributed
   /// shared memory (three or four cluster barriers), so keys, hist and candidates are not used.
   /// cluster_pages: a multiple of 32, at most kClusterSelectPages. The decode plan uses it where the
@@ -240,16 +242,20 @@ struct SelectParams {
   /// pdl_early_reads: the previous kernel must not write it); else the kernel may hang.
   int cluster_pages = 0;
   /// Nullable, one-kernel select only (cluster_pages != 0; else cudaErrorInvalidValue): the score
-  /// pass's ScoreParams::ready, and ready_seen, workspace [batch][n_head_kv][16] zero before the first
-  /// launch. Each CTA then waits for its (b, h)'s count to pass its own ready_seen entry (and advances
-  /// it) instead of waiting for the whole score grid (the PDL wait): with pdl, the selection of one
-  /// pair overlaps the scoring of others. The score grid must be resident before this kernel's CTAs
-  /// (as a PDL launch after it guarantees), and every score launch with `ready` must be followed by
-  /// one launch of this kernel, else a later launch reads a pair before it is scored.
+  /// pass's ScoreParams::ready, and ready_seen, workspace [batch][n_head_kv][kSelectClusterMaxCtas]
+  /// zero before the first launch. Each CTA then waits for its (b, h)'s count to pass its own
+  /// ready_seen entry (and advances it) instead of waiting for the whole score grid (the PDL wait;
+  /// indptr is then read before the wait whatever pdl_early_reads says): with pdl, the selection of
+  /// one pair overlaps the scoring of others. The score grid must be resident before this kernel's
+  /// CTAs (as a PDL launch after it guarantees), and every score launch with `ready` must be followed
+  /// by one launch of this kernel with the same cluster_pages, else a later launch reads a pair before
+  /// it is scored (run init_decode_workspace after changing either); a select whose count does not
+  /// come within 10 s stops with a device-side message and a launch failure instead of hanging.
   const uint32_t* score_ready = nullptr;
   uint32_t* ready_seen = nullptr;
 };
 constexpr int kClusterSelectPages = 32768;
+constexpr int kSelectClusterMaxCtas = 16;  // CTAs per cluster of the one-kernel select
 cudaError_t select_pages(const SelectParams& p, cudaStream_t stream);
 
 // ----------------------------------------------------------------------------------------------
@@ -351,7 +357,8 @@ struct DecodePlan {
   bool select_candidates = false;    // SelectParams::candidates (the share kernel fits in one wave); read-only
   int select_cluster_pages = 0;      // SelectParams::cluster_pages (0: two kernels); read-only
   /// ScoreParams::ready / SelectParams::score_ready: the one-kernel select starts on each (sequence,
-  /// KV head) once the score pass completes it (with select_cluster_pages and pdl only); read-only
+  /// KV head) once the score pass completes it (with select_cluster_pages and pdl, where the score
+  /// pass merges lse_total itself: not defer_lse_total); read-only
   bool select_per_pair = false;
   bool pdl = true;
   size_t workspace_bytes = 0;
