@@ -734,15 +734,14 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
       if (do_exact) lse2_merge(m, l, ex_s2[r], 1.0f);
       chunk_stat(r) = chunk_bad ? make_float2(NAN, NAN) : make_float2(m, l);
     }
-    if ((p.defer_lse_total && !p.ready) || !last_cta_done(p.counters + bh, uint32_t(active), &last_flag)) continue;
+    if (p.defer_lse_total || !last_cta_done(p.counters + bh, uint32_t(active), &last_flag)) continue;
 
     // Last CTA of (b, h): lse_total[g] = logsumexp over every page (the share normaliser, Eq. 5).
     // The statistics of all heads and (up to 128) chunks are loaded at once: this is the kernel's tail,
-    // where each further round trip adds to the step.
-    if (!p.defer_lse_total)
-      merge_chunk_stats<(GT + kWarps - 1) / kWarps>(
-          reinterpret_cast<const float2*>(p.chunk_stats) + bh * 16 * n_chunks, n_chunks, active, G, warp, kWarps,
-          [&](int r, float v) { p.lse_total[bh * G + r] = v * kLn2; });
+    // where each further round trip adds to the step. Then the pair is complete (ScoreParams::ready).
+    merge_chunk_stats<(GT + kWarps - 1) / kWarps>(
+        reinterpret_cast<const float2*>(p.chunk_stats) + bh * 16 * n_chunks, n_chunks, active, G, warp, kWarps,
+        [&](int r, float v) { p.lse_total[bh * G + r] = v * kLn2; });
     if (p.ready) publish_ready(p.ready + bh);
   }
 }
