@@ -1436,7 +1436,7 @@ void run_step_test(World& w, int budget_pages, const char* what, bool expect_def
   lc::DecodePlan plan = lc::make_decode_plan(w.decode_shape(budget_pages), -1, balance);
   if (!cluster) plan.sparse_cluster_merge = false, plan.select_cluster_pages = 0;
   if (select_pages_per_cta) {
-    ASSERT_TRUE(plan.select_per_pair) << what;
+    ASSERT_TRUE(lc::select_per_pair(plan)) << what;
     plan.select_cluster_pages = select_pages_per_cta;
   }
   EXPECT_EQ(plan.defer_lse_total, plan.score_equal_chunks >= 32);
@@ -1503,7 +1503,7 @@ void run_step_test(World& w, int budget_pages, const char* what, bool expect_def
       what, worst_mass, rel, plan.score_chunk_pages, plan.sparse_splits, plan.sparse_pages_per_split,
       plan.sparse_cluster_merge ? " (one cluster each)" : "",
       plan.select_cluster_pages ? ("one kernel, " + std::to_string(plan.select_cluster_pages) + " pages per CTA" +
-                                   (plan.select_per_pair ? ", per pair" : ""))
+                                   (lc::select_per_pair(plan) ? ", per pair" : ""))
                                       .c_str()
                                 : "two kernels");
 
@@ -1553,8 +1553,8 @@ TEST(CudaDecodeStep, LocksStepMatchesCpuRandomPages) {
   }
 }
 
-// The select started per (sequence, KV head) as the score pass completes it (DecodePlan::
-// select_per_pair), with 80 pairs of 3-CTA clusters of 1024 threads: more CTAs than SMs, so several
+// The select started per (sequence, KV head) as the score pass completes it (select_per_pair(plan)),
+// with 80 pairs of 3-CTA clusters of 1024 threads: more CTAs than SMs, so several
 // waves of them. No cluster may wait on one that is not yet resident; the results must equal the CPU's.
 // Sequence 3 is empty (its pairs are published by the score pass's item 0 alone).
 TEST(CudaDecodeStep, PerPairSelectInSeveralWaves) {

@@ -369,7 +369,7 @@ int run_bench(const BenchOptions& o) {
         // The plan's select, listed below the table: one kernel unless listed; per pair where listed.
         const std::string row = sh.name + " " + std::to_string(ctx / 1024) + "K b" + std::to_string(B);
         if (plan.select_cluster_pages == 0) two_kernel_select += (two_kernel_select.empty() ? "" : ", ") + row;
-        if (plan.select_per_pair && plan.pdl) per_pair_select += (per_pair_select.empty() ? "" : ", ") + row;
+        if (select_per_pair(plan)) per_pair_select += (per_pair_select.empty() ? "" : ", ") + row;
         DevMem ws(plan.workspace_bytes), q(size_t(B) * H * G * D * 4), out(size_t(B) * H * G * D * 4),
             lse(size_t(B) * H * G * 4);
         ck(init_decode_workspace(plan, ws.p, s), "init");
@@ -390,7 +390,7 @@ int run_bench(const BenchOptions& o) {
         const AttentionParams atp = step_attention_params(plan, sp, /*sparse=*/true);
         cudaGraphExec_t g_locks = capture(s, [&] { ck(locks_decode_step(plan, sp, s), "locks step"); });
         cudaGraphExec_t g_dense = capture(s, [&] { ck(dense_decode_step(plan, sp, s), "dense step"); });
-        // The score pass alone publishes no pairs (DecodePlan::select_per_pair): no select consumes them.
+        // The score pass alone publishes no pairs (select_per_pair): no select consumes them.
         cudaGraphExec_t g_score = capture(s, [&] { ck(score_pages(scp, s), "score"); });
         cudaGraphExec_t g_ss = capture(s, [&] {
           ck(score_pages(scp_paired, s), "score");
@@ -460,7 +460,7 @@ int run_bench(const BenchOptions& o) {
   std::printf("\nselect: one kernel (SelectParams::cluster_pages) in every row but: %s\n",
               two_kernel_select.empty() ? "none" : two_kernel_select.c_str());
   std::printf(
-      "select started per (sequence, KV head) as the score pass completes it (DecodePlan::select_per_pair) "
+      "select started per (sequence, KV head) as the score pass completes it (select_per_pair) "
       "in: %s\n",
       per_pair_select.empty() ? "none" : per_pair_select.c_str());
   std::printf(

@@ -160,12 +160,11 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device, bool balance) {
   // Shares and selection in one kernel (SelectParams::cluster_pages): the histograms and the threshold
   // bin's keys cross a cluster per (sequence, KV head) through distributed shared memory instead of
   // global memory and a second kernel. It starts on each pair as the score pass completes it
-  // (select_per_pair), instead of after the whole pass, where the pass's last CTA of a pair merges
+  // (select_per_pair(), below), instead of after the whole pass, where the pass's last CTA of a pair merges
   // lse_total anyway (no deferral): then the selection of early pairs overlaps the pass's tail. H200,
   // 1M tokens, 4 KV heads, two runs each: batch 4 283.0-284.3 -> 279.0-279.2 us, batch 8 531.8-532.5
   // -> 525.7-526.0. With the merge deferred (batch 1-2) the per-item counter this needs cost 0.5-2.5
   // us, so those keep the PDL wait.
-  const bool per_pair = p.pdl && !p.defer_lse_total;
   // The most CTAs per cluster, from one per 4096 pages (one round of loads) down to one per
   // kClusterSelectPages (eight rounds), such that every cluster fits at once (H200, against the two
   // kernels where only 4096 was tried: Llama 256K batch 8 284 -> 277 us, 1M tokens 2 KV heads batch 4
@@ -182,7 +181,6 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device, bool balance) {
       p.select_cluster_pages = per_cta;
   }
   if (p.select_cluster_pages) p.select_candidates = false;
-  p.select_per_pair = per_pair && p.select_cluster_pages;
 
   // Attention: one wave of CTAs; at least one page per warp; at most max_splits splits.
   // Sparse attention with G > 8 runs as two CTAs of <= 8 heads per split: twice the CTAs, each with
@@ -245,8 +243,9 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device, bool balance) {
   p.off_counters = take(sizeof(uint32_t) * score_counters(sh.batch, sh.n_head_kv));
   p.off_counters_sparse = take(sizeof(uint32_t) * bh);
   p.off_counters_dense = take(sizeof(uint32_t) * bh);
-  p.off_score_ready = take(p.select_per_pair ? sizeof(uint32_t) * bh : 0);
-  p.off_ready_seen = take(p.select_per_pair ? sizeof(uint32_t) * bh * kSelectClusterMaxCtas : 0);
+  // Per-pair counters (select_per_pair), always there: the plan's fields decide at each step.
+  p.off_score_ready = take(sizeof(uint32_t) * bh);
+  p.off_ready_seen = take(sizeof(uint32_t) * bh * kSelectClusterMaxCtas);
   p.off_status = take(sizeof(uint32_t));  // sticky: cleared by init_decode_workspace / read_decode_status
   p.counters_bytes = off - zero_begin;
   p.workspace_bytes = off;
@@ -295,13 +294,9 @@ float* plan_lse_total(const DecodePlan& plan, void* ws) { return at<float>(ws, p
 int32_t* plan_selected(const DecodePlan& plan, void* ws) { return at<int32_t>(ws, plan.off_selected); }
 int32_t* plan_n_selected(const DecodePlan& plan, void* ws) { return at<int32_t>(ws, plan.off_n_selected); }
 
-// The score pass publishes its pairs to a one-kernel select (a plan whose select_cluster_pages or pdl
-// was turned off after the fact waits for whole kernels).
-namespace {
 bool select_per_pair(const DecodePlan& plan) {
-  return plan.select_per_pair && plan.select_cluster_pages && plan.pdl && !plan.defer_lse_total;
+  return plan.select_cluster_pages && plan.pdl && !plan.defer_lse_total;
 }
-}  // namespace
 
 ScoreParams step_score_params(const DecodePlan& plan, const DecodeStepParams& p, bool paired) {
   ScoreParams sp;

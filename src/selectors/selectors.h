@@ -76,7 +76,6 @@ class PageBlobStore {
   ZeroedArray<uint8_t> valid_;  // [L][H][P]
 };
 
-/// Base of the baselines that select by a per-head page estimate.
 /// Build per-page metadata for every (page, KV head) of `page_ids` in layer `il` with
 /// build(keys [B][d] float32, il, h, page), batched across cores (the first exception rethrown).
 template <class Build>
@@ -95,6 +94,7 @@ void for_each_page_head(const PagedKvCache& cache, int il, std::span<const int32
       /*min_parallel=*/9, /*dynamic_chunk=*/4);
 }
 
+/// Base of the baselines that select by a per-head page estimate.
 class EstimatingSelector : public Selector {
  public:
   explicit EstimatingSelector(GroupRule rule) : rule_(rule) {}

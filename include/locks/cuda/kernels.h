@@ -356,10 +356,6 @@ struct DecodePlan {
   int score_equal_chunks = 0;        // chunks per (sequence, KV head) when all have max_pages pages
   bool select_candidates = false;    // SelectParams::candidates (the share kernel fits in one wave); read-only
   int select_cluster_pages = 0;      // SelectParams::cluster_pages (0: two kernels); read-only
-  /// ScoreParams::ready / SelectParams::score_ready: the one-kernel select starts on each (sequence,
-  /// KV head) once the score pass completes it (with select_cluster_pages and pdl, where the score
-  /// pass merges lse_total itself: not defer_lse_total); read-only
-  bool select_per_pair = false;
   bool pdl = true;
   size_t workspace_bytes = 0;
   // Byte offsets inside the workspace.
@@ -379,6 +375,10 @@ struct DecodePlan {
 /// Throws std::invalid_argument for unsupported shapes (head_dim, group, budget) and
 /// std::runtime_error when no CUDA device is usable ("CUDA decode: no device").
 DecodePlan make_decode_plan(const DecodeShape& shape, int device = -1, bool balance = true);
+/// Whether locks_decode_step starts the one-kernel select on each (sequence, KV head) as the score
+/// pass completes it (ScoreParams::ready / SelectParams::score_ready): with select_cluster_pages and
+/// pdl, where the score pass merges lse_total itself (not defer_lse_total).
+bool select_per_pair(const DecodePlan& plan);
 /// Zero the counters and histograms of a fresh workspace (once, before the first step).
 cudaError_t init_decode_workspace(const DecodePlan& plan, void* workspace, cudaStream_t stream);
 
@@ -405,7 +405,7 @@ cudaError_t dense_decode_step(const DecodePlan& plan, const DecodeStepParams& p,
 /// locks_decode_step passes to score_pages, select_pages and (sparse) paged_decode_attention, and
 /// dense_decode_step to paged_decode_attention.
 /// paired: the score pass and the select are launched together, one after the other, as
-/// locks_decode_step does; with DecodePlan::select_per_pair the select then starts on each (sequence,
+/// locks_decode_step does; where select_per_pair(plan), the select then starts on each (sequence,
 /// KV head) as the score pass completes it (ScoreParams::ready, SelectParams::score_ready). Pass the
 /// same value to both; unpaired (the default), each waits for the whole previous kernel (PDL), so a
 /// score pass may also be launched alone.
