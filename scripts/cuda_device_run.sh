@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent H200 from the repository root, with build-cuda/dist carried (scripts/cuda_dist.sh).
 #   scripts/cuda_device_run.sh STAGE...   stages: info tests embed memcheck racecheck bench1 sdpa1 bench sdpa ncu
-#                                          ncuscore ncusrc ab patterns sass
+#                                          ncudur ncuscore ncusrc ab patterns sass
 # (env: AB, AB_BATCHES, AB_KV2 for ab; NCU_BATCHES for ncu; KERNEL, SKIP for ncusrc; RACECHECK_FILTER, RACECHECK_TIMEOUT)
 # Logs and CSVs go to $OUT. Each stage has its own time limit, so that a hung stage cannot take the whole call
 # (the limits add up to more than a call's 600 s; the stages themselves take ~3 min together).
@@ -65,6 +65,21 @@ for stage in "$@"; do
         --batches ${NCU_BATCHES:-1} --runs 1 > "$OUT/ncu.log" 2>&1; echo "ncu rc=$?"
       grep -E "^  [a-z_:<>0-9, ]*(score|attention|select|share)|DRAM Throughput|Memory Throughput|Duration|Compute \(SM\) Th|Issue Slots|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Grid Size" \
         "$OUT/ncu.log" | head -70 ;;
+    ncudur)  # kernel durations (ncu: launch to end on the GPU, no graph-launch time) of the score pass
+             # (1M tokens, 4 KV heads, NCU_BATCHES; Llama 256K) and of the 4 GiB read-ceiling kernel
+      NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      M=gpu__time_duration.sum,dram__bytes_read.sum
+      dur() {  # label, kernel regex, launches, bench arguments...
+        local label=$1 k=$2 c=$3; shift 3
+        timeout 150 "$NCU" --clock-control none --metrics $M -k regex:"$k" -c "$c" "$DIST/bin/locks" bench \
+          --device cuda --head-dim 128 --runs 1 "$@" > "$OUT/ncudur_$label.log" 2>&1
+        echo "$label: $(grep -E 'gpu__time_duration|dram__bytes_read' "$OUT/ncudur_$label.log" | awk '{print $(NF-1), $NF}' | paste -sd' ')"
+      }
+      dur read read_kernel 2 --contexts 131072 --kv-heads 4 --group 8 --batches 1
+      for B in ${NCU_BATCHES:-1 2 4 8}; do
+        dur kv4_b$B score_kernel 3 --contexts 1048576 --kv-heads 4 --group 8 --batches $B
+        dur llama_b$B score_kernel 3 --contexts 262144 --kv-heads 8 --group 4 --batches $B
+      done ;;
     ncuscore)  # stall reasons and hot spots of the score kernel (1M tokens, 4 KV heads, batch 1)
       NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       timeout 150 "$NCU" --clock-control none -k regex:'score_kernel' -c 1 \

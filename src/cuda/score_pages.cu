@@ -274,8 +274,9 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
         n_pages, last_len, p.balance_chunks ? p.log_mass_stride : min(p.log_mass_stride, n_chunks * p.chunk_pages));
     // [b][h][row][chunk]: a warp of the merges below reads one head row's chunks contiguously.
     auto chunk_stat = [&](int r) -> float2& { return reinterpret_cast<float2*>(p.chunk_stats)[(bh * 16 + r) * n_chunks + c]; };
-    // Balanced: the statistics of chunks this pass has no item for are empty (the merges read n_chunks).
-    if (p.balance_chunks && c == 0)
+    // Balanced: the statistics of chunks this pass has no item for are empty (the merges read n_chunks;
+    // with ready, item 0 writes them below, with those of the pair's idle items).
+    if (p.balance_chunks && c == 0 && !p.ready)
       for (int e = threadIdx.x; e < (n_chunks - n_chunks_b) * G; e += kThreads)
         reinterpret_cast<float2*>(p.chunk_stats)[(bh * 16 + e % G) * n_chunks + n_chunks_b + e / G] =
             make_float2(-INFINITY, 0.0f);
