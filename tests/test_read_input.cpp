@@ -50,3 +50,20 @@ TEST(ReadInput, MissingFileAndDirectoryAreNamed) {
   const std::string dir = std::filesystem::temp_directory_path().string();
   EXPECT_EQ(error_of(dir, 1 << 20), "prompt file '" + dir + "' is a directory");
 }
+
+TEST(ReadInput, RequireTextRefusesANulByteAtItsOffset) {
+  EXPECT_NO_THROW(locks::require_text("plain text\n", "p.txt", "prompt file"));
+  EXPECT_NO_THROW(locks::require_text("", "p.txt", "prompt file"));
+  try {
+    locks::require_text(std::string("ab\0c\0", 5), "-", "prompt file");
+    ADD_FAILURE() << "a NUL byte must be refused";
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "prompt file (standard input) holds a NUL byte at offset 2 (binary data, not text)");
+  }
+  try {
+    locks::require_text(std::string(7, '\0'), "c.txt", "text corpus");
+    ADD_FAILURE() << "a NUL byte must be refused";
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "text corpus 'c.txt' holds a NUL byte at offset 0 (binary data, not text)");
+  }
+}

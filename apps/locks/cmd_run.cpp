@@ -70,10 +70,7 @@ int run(const RunArgs& a) {
     // An empty file is more likely a mistake than a request to generate from BOS, which -p "" asks.
     if (prompt.empty())
       throw std::invalid_argument(fmt::format("prompt file '{}' is empty (-p \"\" generates from BOS alone)", name));
-    // As for eval's corpus: a NUL byte means binary data, not text.
-    if (const size_t nul = prompt.find('\0'); nul != std::string::npos)
-      throw std::invalid_argument(
-          fmt::format("prompt file '{}' holds a NUL byte at offset {} (binary data, not text)", name, nul));
+    require_text(prompt, a.prompt_file, "prompt file");  // as eval's corpus
   } else {
     prompt = read_input(resolve_default_path(kDefaultPrompt), kMaxPromptBytes, "prompt file");
     default_prompt = true;

@@ -41,7 +41,7 @@ inline CLI::Validator number_text() {
         if (decimal) std::strtod(s.c_str(), &end);
         return end == nullptr || end != s.c_str() + s.size() ? "'" + s + "' is not a number" : std::string();
       },
-      "NUMBER");
+      "");  // (no type name of its own: --help shows the option's FLOAT and its range)
 }
 
 /// Shared, for string list items (use with ->transform): surrounding blanks dropped, so that
@@ -106,7 +106,7 @@ inline CLI::Validator decimal_integer(bool uint64 = false) {
         s = std::to_string(v);
         return std::string();
       },
-      "INT");
+      "");  // (no type name of its own: --help shows the option's INT and its range)
 }
 
 }  // namespace locks::cli

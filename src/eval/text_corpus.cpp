@@ -52,9 +52,7 @@ std::vector<std::string> load_documents(const std::string& path) {
     data = xz_decompress(data, path);
   else if (named_xz)
     throw std::runtime_error(fmt::format("'{}': named .xz but not xz data", path));
-  if (const size_t nul = data.find('\0'); nul != std::string::npos)
-    throw std::runtime_error(
-        fmt::format("text corpus '{}' holds a NUL byte at offset {} (binary data, not text)", path, nul));
+  require_text(data, path, "text corpus");
   std::vector<std::string> docs;
   size_t start = 0;
   while (start <= data.size()) {

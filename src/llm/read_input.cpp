@@ -12,6 +12,13 @@
 
 namespace locks {
 
+namespace {
+// How errors name an input: "<what> '<path>'", or "<what> (standard input)" for "-".
+std::string input_name(const std::string& path, const std::string& what) {
+  return path == "-" ? what + " (standard input)" : what + " '" + path + "'";
+}
+}  // namespace
+
 std::string read_input(const std::string& path, size_t max_bytes, const std::string& what) {
   std::error_code ec;
   if (path != "-" && std::filesystem::is_directory(path, ec))
@@ -24,7 +31,7 @@ std::string read_input(const std::string& path, size_t max_bytes, const std::str
       throw std::runtime_error(fmt::format("cannot open {} '{}'{}", what, path,
                                            errno != 0 ? std::string(": ") + std::strerror(errno) : std::string()));
   }
-  const std::string name = path == "-" ? what + " (standard input)" : what + " '" + path + "'";
+  const std::string name = input_name(path, what);
   std::istream& in = path == "-" ? std::cin : file;
   std::string text;
   char buf[1 << 16];
@@ -38,6 +45,12 @@ std::string read_input(const std::string& path, size_t max_bytes, const std::str
   }
   if (in.bad()) throw std::runtime_error("cannot read " + name);
   return text;
+}
+
+void require_text(const std::string& data, const std::string& path, const std::string& what) {
+  if (const size_t nul = data.find('\0'); nul != std::string::npos)
+    throw std::runtime_error(
+        fmt::format("{} holds a NUL byte at offset {} (binary data, not text)", input_name(path, what), nul));
 }
 
 }  // namespace locks
