@@ -77,8 +77,8 @@ for stage in "$@"; do
       }
       dur read read_kernel 2 --contexts 131072 --kv-heads 4 --group 8 --batches 1
       for B in ${NCU_BATCHES:-1 2 4 8}; do
-        dur kv4_b$B score_kernel 3 --contexts 1048576 --kv-heads 4 --group 8 --batches $B
-        dur llama_b$B score_kernel 3 --contexts 262144 --kv-heads 8 --group 4 --batches $B
+        dur kv4_b$B score_kernel 4 --contexts 1048576 --kv-heads 4 --group 8 --batches $B
+        dur llama_b$B score_kernel 4 --contexts 262144 --kv-heads 8 --group 4 --batches $B
       done ;;
     ncuscore)  # stall reasons and hot spots of the score kernel (1M tokens, 4 KV heads, batch 1)
       NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
