@@ -35,13 +35,14 @@ def main():
               f"{dn / c:.2f} | {lk:.1f} | {c / lk:.1f}x | {dn / lk:.1f}x | {db / 1e6:.0f} | {lb / 1e6:.1f} | "
               f"{db / lb:.2f}x |")
     print()
-    print("| shape | context | batch | score µs | score GB/s (% of read) | select µs | sparse attention µs | "
+    print("| shape | context | batch | score µs | score GB/s (% of read) | select µs | sparse attention µs (GB/s) | "
           "attention MB | L2 intermediates MB | build Mpage/s | build cost / step |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for k, o in ours.items():
         sc, sb = float(o["score_us"]), float(o["score_bytes"])
         print(f"| {k[0]} | {k[1] // 1024}K | {k[2]} | {sc:.1f} | {sb / sc * 1e-3:.0f} ({100 * sb / sc * 1e-3 / read:.0f}%) "
-              f"| {float(o['select_us']):.1f} | {float(o['attn_us']):.1f} | {float(o['attn_bytes']) / 1e6:.1f} | "
+              f"| {float(o['select_us']):.1f} | {float(o['attn_us']):.1f} ({float(o['attn_bytes']) / float(o['attn_us']) * 1e-3:.0f}) "
+              f"| {float(o['attn_bytes']) / 1e6:.1f} | "
               f"{float(o['l2_intermediate_bytes']) / 1e6:.1f} | {float(o['build_pages_per_s']) / 1e6:.2f} | "
               f"{float(o['build_batch_us']) / 16 / float(o['locks_us']) * 100:.0f}% |")
     print(f"\nmeasured read bandwidth {read:.0f} GB/s, copy {float(next(iter(ours.values()))['copy_gbs']):.0f} GB/s")
