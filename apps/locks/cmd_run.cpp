@@ -66,10 +66,10 @@ int run(const RunArgs& a) {
     prompt = a.prompt;
   } else if (!a.prompt_file.empty()) {
     prompt = read_input(a.prompt_file, kMaxPromptBytes, "prompt file");
-    const std::string name = a.prompt_file == "-" ? std::string("standard input") : a.prompt_file;
     // An empty file is more likely a mistake than a request to generate from BOS, which -p "" asks.
     if (prompt.empty())
-      throw std::invalid_argument(fmt::format("prompt file '{}' is empty (-p \"\" generates from BOS alone)", name));
+      throw std::invalid_argument(fmt::format("{} is empty (-p \"\" generates from BOS alone)",
+                                              input_name(a.prompt_file, "prompt file")));
     require_text(prompt, a.prompt_file, "prompt file");  // as eval's corpus
   } else {
     prompt = read_input(resolve_default_path(kDefaultPrompt), kMaxPromptBytes, "prompt file");

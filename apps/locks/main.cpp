@@ -7,7 +7,9 @@
 #include <exception>
 #include <iostream>
 #include <map>
+#include <memory>
 #include <new>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -15,9 +17,20 @@
 
 namespace {
 
+// CLI11 shows an option's type and then each check's own description: "INT:INT in [32 - 67108864]",
+// "TEXT:PATH", "TEXT:{f16,f32}". The check says more than the type, so --help shows it alone.
+class Formatter : public CLI::Formatter {
+ public:
+  std::string make_option_opts(const CLI::Option* opt) const override {
+    static const std::regex base_type("^ [A-Z]+:");
+    return std::regex_replace(CLI::Formatter::make_option_opts(opt), base_type, " ");
+  }
+};
+
 int locks_main(int argc, char** argv) {
   CLI::App app{"locks: LOCKS sparse decode attention (page-local compact key summaries) on a CPU Llama engine",
                "locks"};
+  app.formatter(std::make_shared<Formatter>());  // (subcommands inherit it)
   app.require_subcommand(0, 1);
   app.set_version_flag("--version", std::string("locks ") + LOCKS_VERSION);
   std::map<CLI::App*, locks::cli::Runner> runners;
@@ -39,6 +52,12 @@ int locks_main(int argc, char** argv) {
         fmt::print(stderr, "locks: error: {}\n", why);
         return 2;
       }
+  // An unknown subcommand is an error even with --help (which CLI11 would answer with the main help).
+  if (!args.empty() && !args[0].empty() && args[0][0] != '-' &&
+      std::none_of(runners.begin(), runners.end(), [&](const auto& r) { return r.first->get_name() == args[0]; })) {
+    fmt::print(stderr, "locks: error: unknown subcommand '{}' (run, bench, eval)\n", args[0]);
+    return 2;
+  }
   std::reverse(args.begin(), args.end());  // CLI11 takes the vector form in reverse order
   try {
     app.parse(args);

@@ -14,6 +14,9 @@ namespace locks {
 /// read, or holds more than `max_bytes` bytes.
 std::string read_input(const std::string& path, size_t max_bytes, const std::string& what);
 
+/// How errors name an input: "<what> '<path>'", or "<what> (standard input)" for path "-".
+std::string input_name(const std::string& path, const std::string& what);
+
 /// Text only where text is expected: throws std::runtime_error "<what> '<path>' holds a NUL byte at
 /// offset N (binary data, not text)" (path "-": "<what> (standard input) ...") if `data` has one.
 void require_text(const std::string& data, const std::string& path, const std::string& what);

@@ -27,8 +27,8 @@ GenerateResult generate(Session& session, const std::vector<int32_t>& prompt_ids
   // The last generated token is sampled, never decoded: the cache holds n_prompt + max_tokens - 1.
   const int64_t positions = int64_t(n_prompt) + std::max(opts.max_tokens - 1, 0);
   if (positions > session.n_ctx())
-    throw std::length_error(fmt::format("prompt of {} + {} to generate needs {} KV-cache positions, more than the "
-                                        "context size of {}",
+    throw std::length_error(fmt::format("prompt of {} + {} to generate needs {} KV-cache positions (the last "
+                                        "generated token is not stored), more than the context size of {}",
                                         tokens(n_prompt), opts.max_tokens, positions, tokens(session.n_ctx())));
   GenerateResult res;
   res.prompt_ids = prompt_ids;

@@ -12,12 +12,9 @@
 
 namespace locks {
 
-namespace {
-// How errors name an input: "<what> '<path>'", or "<what> (standard input)" for "-".
 std::string input_name(const std::string& path, const std::string& what) {
   return path == "-" ? what + " (standard input)" : what + " '" + path + "'";
 }
-}  // namespace
 
 std::string read_input(const std::string& path, size_t max_bytes, const std::string& what) {
   std::error_code ec;
