@@ -317,7 +317,8 @@ Runner add_bench(CLI::App& app) {
           ->transform(decimal_integer())
           ->check(CLI::Range(1, 1024))};
   return [a, o_ctx, o_kv, o_grp, o_hd, o_bud, o_runs, cuda_only, cpu_only] {
-    if (a->budget % 16 != 0) throw CLI::ValidationError("--budget", "must be a multiple of 16");
+    if (a->budget % 16 != 0)
+      throw CLI::ValidationError("--budget", fmt::format("{} is not a multiple of the page size 16", a->budget));
     for (const CLI::Option* o : a->device == "cuda" ? cpu_only : cuda_only)
       if (o->count() > 0)
         throw CLI::ValidationError(o->get_name(), a->device == "cuda" ? "does not apply with --device cuda"
