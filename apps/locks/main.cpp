@@ -18,12 +18,17 @@
 namespace {
 
 // CLI11 shows an option's type and then each check's own description: "INT:INT in [32 - 67108864]",
-// "TEXT:PATH", "TEXT:{f16,f32}". The check says more than the type, so --help shows it alone.
+// "TEXT:PATH", "TEXT:{f16,f32}". The check says more than the type, so --help shows it alone; and a
+// flag that sets false ("--no-fidelity{false}") without the value it stores.
 class Formatter : public CLI::Formatter {
  public:
   std::string make_option_opts(const CLI::Option* opt) const override {
     static const std::regex base_type("^ [A-Z]+:");
     return std::regex_replace(CLI::Formatter::make_option_opts(opt), base_type, " ");
+  }
+  std::string make_option_name(const CLI::Option* opt, bool is_positional) const override {
+    static const std::regex flag_value("\\{(true|false)\\}");
+    return std::regex_replace(CLI::Formatter::make_option_name(opt, is_positional), flag_value, "");
   }
 };
 

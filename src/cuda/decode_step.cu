@@ -60,9 +60,12 @@ bool device_available(std::string* why) {
   cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess || n == 0) {
     if (why) {
-      *why = e != cudaSuccess ? std::string("no CUDA device: ") + cudaGetErrorString(e) : "no CUDA device";
+      // The runtime says "driver version is insufficient" also where there is no driver (no GPU).
       if (e == cudaErrorInsufficientDriver)
-        *why += " (no NVIDIA driver is loaded, or it is older than this build's CUDA runtime)";
+        *why = std::string("no CUDA device: no NVIDIA driver is loaded, or it is older than this build's CUDA "
+                           "runtime (") + cudaGetErrorString(e) + ")";
+      else
+        *why = e != cudaSuccess ? std::string("no CUDA device: ") + cudaGetErrorString(e) : "no CUDA device";
     }
     cudaGetLastError();
     return false;

@@ -201,7 +201,11 @@ SelectorSpec parse_selector_spec(const std::string& spec, const SummaryFormat& b
       else if (k == "rho")
         s.opts.shared_rank = as_int();
       else if (k == "rule")
-        s.opts.group_rule = parse_group_rule(v);
+        try {
+          s.opts.group_rule = parse_group_rule(v);
+        } catch (const std::invalid_argument& e) {
+          throw std::invalid_argument(fmt::format("selector '{}': {}", spec, e.what()));
+        }
       else
         throw std::invalid_argument(
             fmt::format("selector '{}': unknown key '{}' (r, basis, coef, centroid, rule, rho)", spec, k));
