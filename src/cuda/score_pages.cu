@@ -24,7 +24,7 @@
 // go through a ring of shared-memory slots, one bulk copy per record (pages past the sequence or with a
 // bad id are not copied; their stale slot data is computed and dropped); G > 8: two private stages
 // per warp filled with cp.async (16-byte pieces, zero fill past the sequence). The next octets are in
-// flight while the current one is computed; page ids are loaded two octets ahead.
+// flight while the current one is computed; page ids are loaded two of the warp's copies ahead.
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -789,9 +789,9 @@ cudaError_t launch_score(const ScoreParams& p, cudaStream_t stream) {
   return cudaLaunchKernelEx(&cfg, score_kernel<D, GT, MB>, p);
 }
 
-// G <= 8 runs 3 CTAs per SM (168 registers at d = 128, no spills): measured on the H200 at 1M
-// tokens, 4 KV heads, faster than 4 CTAs capped at 128 registers (84 vs 88 us), which spill. G > 8
-// needs ~245.
+// G <= 8 runs 3 CTAs per SM (at most 168 registers; 159 at d = 128, no spills): measured on the H200
+// at 1M tokens, 4 KV heads, faster than 4 CTAs capped at 128 registers (84 vs 88 us), which spill.
+// G > 8 needs ~242 (2 CTAs per SM).
 template <int D>
 int ctas_per_sm_for(int group) {
   int n = 1;

@@ -30,8 +30,8 @@ constexpr int kCandSpill = 512;
 static_assert(kHistBins % kSelectThreads == 0, "select threads load the histogram evenly");
 
 // GT: the group size rounded up to 8 or 16, so that G <= 8 holds half the log-mass registers (48
-// instead of 80 registers: 5 instead of 3 CTAs per SM, more loads in flight). MERGE: lse_total from
-// the chunk statistics (p.chunk_stats), a separate instance because the merge costs registers (63
+// instead of 90 registers: 5 instead of 2 CTAs per SM, more loads in flight). MERGE: lse_total from
+// the chunk statistics (p.chunk_stats), a separate instance because the merge costs registers (60
 // at G <= 8, 4 CTAs per SM: at batch 8, 1M tokens, 4 KV heads, select 34 -> 38 us).
 template <int GT, bool MERGE>
 __global__ void __launch_bounds__(kShareThreads) share_hist_kernel(SelectParams p) {

@@ -87,8 +87,9 @@ struct PagedKvView {
 /// agree with the CPU's float64 build up to float32 eigenvectors: directions whose eigenvalue is
 /// below ~1e-7 of the page's largest are not resolved (their share of the page's keys is as small),
 /// and an int4/int8 code sits one step apart here and there (on random pages rank-8 reconstructions
-/// within ~1e-2, log-masses within ~2e-3 nats, the tail within 1e-4 relative; the tail is within
-/// ~1e-8 of the largest eigenvalue in general). A page with NaN or Inf keys (or keys beyond ~1e18,
+/// within ~1e-2, log-masses within ~2e-3 nats, the tail within 1e-4 relative, as the tests check;
+/// the eigenvalues are Rayleigh quotients of the float64 Gram matrix, so well-separated ones agree
+/// with the CPU's far closer). A page with NaN or Inf keys (or keys beyond ~1e18,
 /// whose Gram matrix float32 cannot hold) gets a NaN centroid scale (every score NaN), a NaN tail and
 /// kStatusBadKeys (the CPU build throws), never an out-of-bounds access.
 /// Launch contract: grid = ceil(n_layers * n_pages * n_head_kv / 4) CTAs of 128 threads, ~15 KB (d 128)
@@ -136,8 +137,8 @@ cudaError_t summary_build(const SummaryBuildParams& p, cudaStream_t stream);
 /// warp (53 KB, 2 CTAs/SM). Records must be 16-byte aligned (record_bytes is a multiple of 16).
 /// Every item writes its chunk's
 /// (max, sum) (an empty chunk (-inf, 0), bad input NaN) and the last item of (b, h) merges them
-/// (with defer_lse_total, select_pages does). counters has batch * n_head_kv + 2 entries (the last
-/// two reserved), zero before the first launch and left zero afterwards.
+/// (with defer_lse_total, select_pages does). counters has batch * n_head_kv entries, zero before the
+/// first launch and left zero afterwards.
 struct ScoreParams {
   const float* q = nullptr;            // [batch][n_head_kv * group][head_dim], 16-byte aligned
   PagedKvView kv;                      // page table; K read only for partial last pages
@@ -151,7 +152,7 @@ struct ScoreParams {
   int log_mass_stride = 0;       // >= max_b n_pages_b, multiple of 8
   float* lse_total = nullptr;    // out [batch][n_head_kv][group]
   float* chunk_stats = nullptr;  // workspace [batch][n_head_kv][16][n_chunks][2]: (max, sum), log2 units
-  uint32_t* counters = nullptr;  // workspace [batch * n_head_kv + 2], zero-initialised
+  uint32_t* counters = nullptr;  // workspace [batch * n_head_kv], zero-initialised
   int grid = 0;                  // persistent CTAs; 0: enough to fill the device
   bool pdl = false;              // launch with programmatic dependent launch
   /// Leave the merge of the chunk statistics into lse_total to select_pages, which must then get them
@@ -167,7 +168,8 @@ struct ScoreParams {
   /// thus keeps the whole grid busy. chunk_stats holds n_chunks entries per (b, h, row); those past
   /// a_b are written empty. The decode plan sets it (DecodePlan::score_balance).
   bool balance_chunks = false;
-  /// Nullable. Bad input (see the top of this file): page count above log_mass_stride, last_page_len
+  /// Nullable. Bad input (see the top of this file): page count above the pass's capacity
+  /// (log_mass_stride; without balance_chunks also n_chunks * chunk_pages), last_page_len
   /// outside 1..16, a page id outside [0, n_pages_pool) (never read) -> lse_total NaN (with
   /// defer_lse_total: once select_pages has merged the chunk statistics); that sequence's log_mass
   /// values are then unspecified.
@@ -182,8 +184,8 @@ struct ScoreParams {
   /// locks_decode_step does); init_decode_workspace resets both sides.
   uint32_t* ready = nullptr;
 };
-/// Counters a ScoreParams needs (batch * n_head_kv + 2).
-inline size_t score_counters(int batch, int n_head_kv) { return size_t(batch) * n_head_kv + 2; }
+/// Counters a ScoreParams needs (batch * n_head_kv).
+inline size_t score_counters(int batch, int n_head_kv) { return size_t(batch) * n_head_kv; }
 cudaError_t score_pages(const ScoreParams& p, cudaStream_t stream);
 
 // ----------------------------------------------------------------------------------------------
@@ -273,7 +275,8 @@ cudaError_t select_pages(const SelectParams& p, cudaStream_t stream);
 /// Launch contract: grid (n_splits, n_head_kv, batch) x 128 threads (2 n_splits with group_halves
 /// and G > 8: CTAs 2s and 2s + 1 take heads [0, 8) and [8, G) of split s); split s handles list entries
 /// [s * pages_per_split, (s + 1) * pages_per_split). counters must be zero before the first launch;
-/// left zero afterwards (not used with cluster_merge).
+/// left zero afterwards (required with n_splits > 1; not used with cluster_merge or where the merge
+/// kernel runs, n_splits > merge_kernel_above).
 struct AttentionParams {
   const float* q = nullptr;  // [batch][n_head_kv * group][head_dim]
   PagedKvView kv;
@@ -372,14 +375,17 @@ struct DecodePlan {
 /// actual lengths at run time (score_balance, dense_balance), so ragged batches keep the GPU busy;
 /// false gives every sequence the same share, sized by max_pages, and batch-invariant results (a
 /// sequence's output then does not depend on the other sequences of the batch).
-/// Throws std::invalid_argument for unsupported shapes (head_dim, group, budget) and
-/// std::runtime_error when no CUDA device is usable ("CUDA decode: no device").
+/// The score pass's CTAs per SM come from the first device this process plans for (cached).
+/// Throws std::invalid_argument for unsupported shapes (head_dim, group, budget, a batch, n_head_kv
+/// or max_pages below 1) and std::runtime_error when the device cannot be used ("CUDA decode: no
+/// device", "no device N", ...).
 DecodePlan make_decode_plan(const DecodeShape& shape, int device = -1, bool balance = true);
 /// Whether locks_decode_step starts the one-kernel select on each (sequence, KV head) as the score
 /// pass completes it (ScoreParams::ready / SelectParams::score_ready): with select_cluster_pages and
 /// pdl, where the score pass merges lse_total itself (not defer_lse_total).
 bool select_per_pair(const DecodePlan& plan);
-/// Zero the counters and histograms of a fresh workspace (once, before the first step).
+/// Zero the histograms, the last-CTA and per-pair ready counters and the status word of a workspace
+/// (once before the first step, and after a failed one).
 cudaError_t init_decode_workspace(const DecodePlan& plan, void* workspace, cudaStream_t stream);
 
 /// LOCKS step: score_pages -> select_pages -> sparse paged_decode_attention (+ merge).
@@ -436,7 +442,7 @@ void unpack_summary_record(const uint8_t* rec, int d, float* centroid, float* ba
 
 /// True when a CUDA device is usable (tests skip otherwise); `why` says why not.
 bool device_available(std::string* why = nullptr);
-/// "NVIDIA H200, 132 SMs, 141 GB, CUDA 13.0, driver 13.0".
+/// "NVIDIA H200 (sm_90), 132 SMs, 140 GiB, L2 60 MiB, CUDA runtime 13.0, driver 13.0".
 std::string device_description(int device = -1);
 
 }  // namespace locks::cuda
