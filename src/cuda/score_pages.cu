@@ -274,12 +274,14 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
         n_pages, last_len, p.balance_chunks ? p.log_mass_stride : min(p.log_mass_stride, n_chunks * p.chunk_pages));
     // [b][h][row][chunk]: a warp of the merges below reads one head row's chunks contiguously.
     auto chunk_stat = [&](int r) -> float2& { return reinterpret_cast<float2*>(p.chunk_stats)[(bh * 16 + r) * n_chunks + c]; };
+    // Item 0 alone: the statistics of chunks [from, n_chunks), every head row, set to v.
+    auto fill_chunk_stats = [&](int from, float2 v) {
+      for (int e = threadIdx.x; e < (n_chunks - from) * G; e += kThreads)
+        reinterpret_cast<float2*>(p.chunk_stats)[(bh * 16 + e % G) * n_chunks + from + e / G] = v;
+    };
     // Balanced: the statistics of chunks this pass has no item for are empty (the merges read n_chunks;
     // with ready, item 0 writes them below, with those of the pair's idle items).
-    if (p.balance_chunks && c == 0 && !p.ready)
-      for (int e = threadIdx.x; e < (n_chunks - n_chunks_b) * G; e += kThreads)
-        reinterpret_cast<float2*>(p.chunk_stats)[(bh * 16 + e % G) * n_chunks + n_chunks_b + e / G] =
-            make_float2(-INFINITY, 0.0f);
+    if (p.balance_chunks && c == 0 && !p.ready) fill_chunk_stats(n_chunks_b, make_float2(-INFINITY, 0.0f));
     // ScoreParams::ready: a pair is published by its last active item, or, for bad input or an
     // empty sequence, by item 0, which then writes every chunk's statistics itself. Nothing of a pair
     // is written after it is published (the select that reads it need not wait for this grid, so a
@@ -290,9 +292,7 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
       if (!p.ready && int(threadIdx.x) < G)
         chunk_stat(threadIdx.x) = fault ? make_float2(NAN, NAN) : make_float2(-INFINITY, 0.0f);
       if (p.ready && c == 0) {
-        for (int e = threadIdx.x; e < n_chunks * G; e += kThreads)
-          reinterpret_cast<float2*>(p.chunk_stats)[(bh * 16 + e % G) * n_chunks + e / G] =
-              fault ? make_float2(NAN, NAN) : make_float2(-INFINITY, 0.0f);
+        fill_chunk_stats(0, fault ? make_float2(NAN, NAN) : make_float2(-INFINITY, 0.0f));
         publish_ready(p.ready + bh);
       }
       continue;
@@ -309,10 +309,7 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
     if (p.defer_lse_total && c == 0 && int(threadIdx.x) < G) p.lse_total[bh * G + threadIdx.x] = NAN;
     // ScoreParams::ready: item 0 (always active) writes the empty chunks' statistics instead of their
     // own items, before the pair can be published.
-    if (p.ready && c == 0)
-      for (int e = threadIdx.x; e < (n_chunks - active) * G; e += kThreads)
-        reinterpret_cast<float2*>(p.chunk_stats)[(bh * 16 + e % G) * n_chunks + active + e / G] =
-            make_float2(-INFINITY, 0.0f);
+    if (p.ready && c == 0) fill_chunk_stats(active, make_float2(-INFINITY, 0.0f));
     if (c >= active) {
       if (!p.ready && int(threadIdx.x) < G) chunk_stat(threadIdx.x) = make_float2(-INFINITY, 0.0f);
       continue;
