@@ -17,18 +17,17 @@ std::string input_name(const std::string& path, const std::string& what) {
 }
 
 std::string read_input(const std::string& path, size_t max_bytes, const std::string& what) {
+  const std::string name = input_name(path, what);
   std::error_code ec;
-  if (path != "-" && std::filesystem::is_directory(path, ec))
-    throw std::runtime_error(fmt::format("{} '{}' is a directory", what, path));
+  if (path != "-" && std::filesystem::is_directory(path, ec)) throw std::runtime_error(name + " is a directory");
   std::ifstream file;
   if (path != "-") {
     errno = 0;
     file.open(path, std::ios::binary);
     if (!file)
-      throw std::runtime_error(fmt::format("cannot open {} '{}'{}", what, path,
-                                           errno != 0 ? std::string(": ") + std::strerror(errno) : std::string()));
+      throw std::runtime_error("cannot open " + name +
+                               (errno != 0 ? std::string(": ") + std::strerror(errno) : std::string()));
   }
-  const std::string name = input_name(path, what);
   std::istream& in = path == "-" ? std::cin : file;
   std::string text;
   char buf[1 << 16];
