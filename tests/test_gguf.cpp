@@ -282,6 +282,13 @@ TEST(Gguf, HostileCounts) {
   // Tensor and metadata counts.
   EXPECT_THAT(parse_error(Writer().header(1ull << 40, 0).u64(0).b), HasSubstr("tensor count 1099511627776 exceeds"));
   EXPECT_THAT(parse_error(Writer().header(0, ~0ull).u64(0).b), HasSubstr("metadata count"));
+  // A metadata count of 0 in a file with metadata: its first key is read as a tensor info, and the
+  // message says it was read right after the header.
+  w = Writer().header(1, 0);
+  w.kv_str("general.architecture", "llama").tensor("t", {4}, kF32, 0).pad_to(32);
+  w.b.resize(w.b.size() + 16);
+  EXPECT_THAT(parse_error(w.b), HasSubstr("tensor 'general.architecture': n_dims 8 out of range 1..4 (the first "
+                                          "tensor info, read right after the header since the metadata count is 0"));
   // Unknown value type.
   w = Writer().header(0, 1);
   w.key("k", static_cast<GgufValue::Type>(13)).u64(0);

@@ -369,7 +369,12 @@ GgufFile GgufFile::from_bytes(std::vector<uint8_t> bytes, std::string name) {
     if (!names.insert(t.name).second) r.fail("duplicate tensor name");
     const uint32_t n_dims = r.u32("n_dims");
     if (n_dims == 0 || n_dims > kMaxDims) {
-      r.fail("n_dims " + std::to_string(n_dims) + " out of range 1.." + std::to_string(kMaxDims));
+      // A metadata count of 0 in a file with metadata reads the first key as a tensor: its value
+      // type lands here. Say so rather than leave the count looking right.
+      r.fail("n_dims " + std::to_string(n_dims) + " out of range 1.." + std::to_string(kMaxDims) +
+             (i == 0 && n_kv == 0 ? " (the first tensor info, read right after the header since the metadata "
+                                    "count is 0: is that count right?)"
+                                  : ""));
     }
     t.ne.resize(n_dims);
     for (auto& d : t.ne) d = r.u64("dimension");
