@@ -7,9 +7,12 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <stdexcept>
+
+#include <sys/resource.h>
 
 #include <fmt/format.h>
 
@@ -542,6 +545,41 @@ TEST_F(GgufModels, Stories260KMetadataAndF32) {
     std::memcpy(&expect, emb.data + 4 * i, 4);
     EXPECT_EQ(v[i], expect);
   }
+}
+
+// A model too large for memory: the error names the file and what loading holds, not the run's
+// "use less context" advice for a KV cache. A sparse 1 TiB file under an address-space limit of
+// 256 GiB (set for the test only; sanitizers reserve far more address space, so not there).
+TEST(Gguf, ModelTooLargeForMemoryNamesTheFile) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "address-space limit conflicts with the sanitizer's shadow memory";
+#else
+  const std::string path = (std::filesystem::temp_directory_path() / "locks_test_huge.gguf").string();
+  std::error_code ec;
+  std::filesystem::resize_file(path, 0, ec);
+  { std::ofstream(path, std::ios::binary) << "GGUF"; }
+  std::filesystem::resize_file(path, uintmax_t(1) << 40, ec);
+  if (ec) {
+    std::filesystem::remove(path);
+    GTEST_SKIP() << "no 1 TiB sparse file here: " << ec.message();
+  }
+  rlimit old{};
+  ASSERT_EQ(getrlimit(RLIMIT_AS, &old), 0);
+  rlimit lim = old;
+  lim.rlim_cur = std::min<rlim_t>(old.rlim_max, rlim_t(256) << 30);
+  ASSERT_EQ(setrlimit(RLIMIT_AS, &lim), 0);
+  std::string msg;
+  try {
+    LlamaModel::load(path);
+  } catch (const std::runtime_error& e) {
+    msg = e.what();
+  }
+  setrlimit(RLIMIT_AS, &old);
+  std::filesystem::remove(path);
+  EXPECT_EQ(msg, "GGUF '" + path +
+                     "': out of memory loading the model (1099.5 GB file; it is read whole and its weights are held "
+                     "as f32)");
+#endif
 }
 
 TEST(Gguf, OpenMissingFileNamesPath) {

@@ -319,6 +319,10 @@ Runner add_bench(CLI::App& app) {
   return [a, o_ctx, o_kv, o_grp, o_hd, o_bud, o_runs, cuda_only, cpu_only] {
     if (a->budget % 16 != 0)
       throw CLI::ValidationError("--budget", fmt::format("{} is not a multiple of the page size 16", a->budget));
+    if (const std::string r = first_repeat(a->contexts); !r.empty())
+      throw CLI::ValidationError("--contexts", r + " given twice");
+    if (const std::string r = first_repeat(a->batches); !r.empty())
+      throw CLI::ValidationError("--batches", r + " given twice");
     for (const CLI::Option* o : a->device == "cuda" ? cpu_only : cuda_only)
       if (o->count() > 0)
         throw CLI::ValidationError(o->get_name(), a->device == "cuda" ? "does not apply with --device cuda"

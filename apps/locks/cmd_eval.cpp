@@ -3,6 +3,8 @@
 #include <omp.h>
 
 #include <cstdio>
+#include <filesystem>
+#include <system_error>
 
 #include "commands.h"
 #include "locks/eval_runner.h"
@@ -84,19 +86,29 @@ Runner add_eval(CLI::App& app) {
     // Usage errors (bad selector specs, families, budgets) exit 2 like other bad options.
     try {
       auto no_repeats = [](const auto& v, const char* what) {
-        for (size_t i = 0; i < v.size(); ++i)
-          for (size_t j = 0; j < i; ++j)
-            if (v[i] == v[j]) throw std::invalid_argument(fmt::format("{} '{}' given twice", what, v[i]));
+        if (const std::string r = first_repeat(v); !r.empty())
+          throw std::invalid_argument(fmt::format("{} '{}' given twice", what, r));
       };
       no_repeats(cfg.selectors, "selector");
       no_repeats(cfg.budgets, "budget");
       no_repeats(cfg.lengths, "length");
       no_repeats(cfg.families, "task");
       if (cfg.out_dir.empty()) throw std::invalid_argument("--out: empty output directory");
+      // Before the model and corpus load (run_eval checks again as it creates the directory).
+      if (std::error_code ec; std::filesystem::exists(cfg.out_dir, ec) && !std::filesystem::is_directory(cfg.out_dir, ec))
+        throw std::invalid_argument(fmt::format("output directory '{}': not a directory", cfg.out_dir));
+      std::vector<std::pair<std::string, std::string>> configs;  // (options key, spec as given)
       for (const auto& s : cfg.selectors) {
         // Variant values checked now (page size 16, head_dim 64 of the reference format), not after
         // the model and corpus load.
         const SelectorSpec spec = parse_selector_spec(s, cfg.summary);
+        // Two spellings of one configuration ("locks" and "locks/r=8") would run it twice.
+        const std::string key = selector_options_key(spec.name, spec.opts);
+        for (const auto& [k, given] : configs)
+          if (k == key)
+            throw std::invalid_argument(
+                fmt::format("selectors '{}' and '{}' are the same configuration", given, s));
+        configs.emplace_back(key, s);
         try {
           spec.opts.summary.validate(16, 64);
         } catch (const std::invalid_argument& e) {
@@ -112,24 +124,23 @@ Runner add_eval(CLI::App& app) {
     }
     bool progress_shown = false;
     auto progress = [&progress_shown](int done, int total, const std::string& what) {
-      fmt::print(stderr, "\r[eval] {:>4}/{} contexts | {:<60}", done, total, what);
-      std::fflush(stderr);
+      diag("\r[eval] {:>4}/{} contexts | {:<60}", done, total, what);
       progress_shown = true;
     };
     std::vector<EvalRow> rows;
     try {
       rows = run_eval(cfg, progress, [&progress_shown](const std::string& note) {
-        if (progress_shown) fmt::print(stderr, "\n");  // not on the progress line
+        if (progress_shown) diag("\n");  // not on the progress line
         progress_shown = false;
         warn_model_defaults({note});
       });
     } catch (...) {
-      if (progress_shown) fmt::print(stderr, "\n");  // end the progress line before the error
+      if (progress_shown) diag("\n");  // end the progress line before the error
       throw;
     }
-    fmt::print(stderr, "\n");
+    diag("\n");
     fmt::print("{}", eval_summary_markdown(cfg, rows));
-    fmt::print(stderr, "[eval] wrote results.csv, summary.md, locality.csv and the plots to {}\n", cfg.out_dir);
+    diag("[eval] wrote results.csv, summary.md, locality.csv and the plots to {}\n", cfg.out_dir);
     return 0;
   };
 }

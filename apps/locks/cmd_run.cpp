@@ -21,7 +21,7 @@ namespace locks::cli {
 std::string default_model_path() { return resolve_default_path("models/locks-ref-a-q8_0.gguf"); }
 
 void warn_model_defaults(const std::vector<std::string>& notes) {
-  for (const std::string& n : notes) fmt::print(stderr, "[locks] warning: {}\n", n);
+  for (const std::string& n : notes) diag("[locks] warning: {}\n", n);
 }
 
 namespace {
@@ -64,16 +64,16 @@ int run(const RunArgs& a) {
     throw CLI::ValidationError("--prompt", "--prompt and --prompt-file are mutually exclusive");
   if (a.prompt_given) {
     prompt = a.prompt;
-  } else if (!a.prompt_file.empty()) {
-    prompt = read_input(a.prompt_file, kMaxPromptBytes, "prompt file");
+  } else {
+    // -f, or the default prompt (which a local examples/needle-8k.txt may replace: checked alike).
+    default_prompt = a.prompt_file.empty();
+    const std::string path = default_prompt ? resolve_default_path(kDefaultPrompt) : a.prompt_file;
+    const std::string what = default_prompt ? "default prompt file" : "prompt file";
+    prompt = read_input(path, kMaxPromptBytes, what);
     // An empty file is more likely a mistake than a request to generate from BOS, which -p "" asks.
     if (prompt.empty())
-      throw std::invalid_argument(fmt::format("{} is empty (-p \"\" generates from BOS alone)",
-                                              input_name(a.prompt_file, "prompt file")));
-    require_text(prompt, a.prompt_file, "prompt file");  // as eval's corpus
-  } else {
-    prompt = read_input(resolve_default_path(kDefaultPrompt), kMaxPromptBytes, "prompt file");
-    default_prompt = true;
+      throw std::invalid_argument(fmt::format("{} is empty (-p \"\" generates from BOS alone)", input_name(path, what)));
+    require_text(prompt, path, what);  // as eval's corpus
   }
   const std::string model_path = a.model.empty() ? default_model_path() : a.model;
   const LlamaModel model = LlamaModel::load(model_path);
@@ -91,7 +91,7 @@ int run(const RunArgs& a) {
   // Options a selector does not use would silently not apply (eval refuses them in a selector spec).
   auto ignored = [&](bool given, const char* opt, bool applies) {
     if (given && !applies)
-      fmt::print(stderr, "[locks] warning: {} does not apply to selector '{}': ignored\n", opt, a.selector);
+      diag("[locks] warning: {} does not apply to selector '{}': ignored\n", opt, a.selector);
   };
   const bool summary_selector = a.selector == "locks" || a.selector == "second-moment" || a.selector == "sequence-basis";
   ignored(a.rank_given, "-r/--rank", summary_selector);
@@ -100,7 +100,7 @@ int run(const RunArgs& a) {
   ignored(a.budget_given, "-b/--budget", a.selector != "full");
   for (auto [given, opt] : {std::pair{a.top_p_given, "--top-p"}, std::pair{a.seed_given, "--seed"}})
     if (given && a.temperature == 0.0f)
-      fmt::print(stderr, "[locks] warning: {} does not apply to greedy decoding (-t 0): ignored\n", opt);
+      diag("[locks] warning: {} does not apply to greedy decoding (-t 0): ignored\n", opt);
 
   SessionConfig sc;
   sc.selector = a.selector;
@@ -111,7 +111,7 @@ int run(const RunArgs& a) {
   sc.kv_dtype = parse_kv_dtype(a.kv_dtype);
   sc.n_ctx = a.n_ctx;
   if (a.n_ctx > model.hp.n_ctx_train)
-    fmt::print(stderr, "[locks] warning: context {} tokens exceeds the model's training context of {}\n", a.n_ctx,
+    diag("[locks] warning: context {} tokens exceeds the model's training context of {}\n", a.n_ctx,
                model.hp.n_ctx_train);
   Session session(model, sc);  // before tokenizing: a context or budget it refuses is refused at once
   const std::vector<int32_t> ids = model.tokenizer.encode(prompt, model.tokenizer.add_bos());
@@ -158,7 +158,7 @@ int run(const RunArgs& a) {
                           "(ratio {:.3f}, {:.1f}x fewer)",
                           r.decode.steps, r.decode.steps == 1 ? "" : "s", decode_tps, bytes_step / 1024.0,
                           dense_step / 1024.0, ratio, ratio > 0 ? 1.0 / ratio : 0.0);
-    fmt::print(stderr, "[locks] selector={} budget={} | prompt {} token{} | prefill {:.2f} s ({:.0f} tok/s) | {}\n",
+    diag("[locks] selector={} budget={} | prompt {} token{} | prefill {:.2f} s ({:.0f} tok/s) | {}\n",
                a.selector, budget, r.prompt_ids.size(), r.prompt_ids.size() == 1 ? "" : "s", r.prefill_seconds,
                prefill_tps, decode);
   }

@@ -3,14 +3,28 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <algorithm>
 #include <cctype>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <string>
 #include <vector>
 
 namespace locks::cli {
+
+/// Diagnostics (warnings, progress, the stats line, errors) on stderr. A stderr that cannot be
+/// written (closed, a full disk) loses them but fails nothing: fmt::print would throw there, and its
+/// exception, printed by the error handler to the same stderr, would end in std::terminate.
+template <typename... Args>
+void diag(fmt::format_string<Args...> format, Args&&... args) {
+  const std::string text = fmt::format(format, std::forward<Args>(args)...);
+  std::fwrite(text.data(), 1, text.size(), stderr);
+  std::fflush(stderr);
+}
 
 using Runner = std::function<int()>;
 
@@ -23,6 +37,16 @@ std::string default_model_path();
 
 /// Shared: a loaded model's notes (LlamaModel::defaults_used) as "[locks] warning: ..." lines on stderr.
 void warn_model_defaults(const std::vector<std::string>& notes);
+
+/// Shared, for list options: the first item of `v` given twice, as text ("" when none repeats), since
+/// a repeated context, budget or length would only measure the same thing again.
+template <typename T>
+std::string first_repeat(const std::vector<T>& v) {
+  for (size_t i = 0; i < v.size(); ++i)
+    if (std::find(v.begin(), v.begin() + std::ptrdiff_t(i), v[i]) != v.begin() + std::ptrdiff_t(i))
+      return fmt::format("{}", v[i]);
+  return std::string();
+}
 
 /// Shared, for path options: an empty path is an error (not "use the default").
 inline CLI::Validator non_empty_path() {
@@ -72,8 +96,11 @@ inline std::string empty_list_item(const CLI::App& sub, const std::vector<std::s
           value = args[i].substr(flag.size() + 1);
         else
           continue;
-        if (value.find(",,") != std::string::npos || (!value.empty() && (value.front() == ',' || value.back() == ',')))
-          return flag + ": empty item in '" + value + "'";
+        // (an item of blanks is empty too: "128, ,256")
+        for (size_t b = 0, e; b <= value.size(); b = e + 1) {
+          e = std::min(value.find(',', b), value.size());
+          if (value.find_first_not_of(" \t", b) >= e) return flag + ": empty item in '" + value + "'";
+        }
       }
     }
   }

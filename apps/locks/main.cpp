@@ -17,6 +17,8 @@
 
 namespace {
 
+using locks::cli::diag;
+
 // CLI11 shows an option's type and then each check's own description: "INT:INT in [32 - 67108864]",
 // "TEXT:PATH", "TEXT:{f16,f32}". The check says more than the type, so --help shows it alone; and a
 // flag that sets false ("--no-fidelity{false}") without the value it stores.
@@ -31,6 +33,13 @@ class Formatter : public CLI::Formatter {
     return std::regex_replace(CLI::Formatter::make_option_name(opt, is_positional), flag_value, "");
   }
 };
+
+// CLI11's "--max-tokens: 1 required INT:INT in [0 - 16777216] missing" (an option given without its
+// value) as "--max-tokens: needs a value (INT in [0 - 16777216])", the type shown once as in --help.
+std::string usage_message(const CLI::ParseError& e) {
+  static const std::regex missing(": 1 required (?:[A-Z]+:)?(.*) missing$");
+  return std::regex_replace(e.what(), missing, ": needs a value ($1)");
+}
 
 int locks_main(int argc, char** argv) {
   CLI::App app{"locks: LOCKS sparse decode attention (page-local compact key summaries) on a CPU Llama engine",
@@ -51,16 +60,35 @@ int locks_main(int argc, char** argv) {
   if (!args.empty() && args[0].size() > 1 && args[0][0] == '-' && args[0] != "-h" && args[0] != "--help" &&
       args[0] != "--version")
     args.insert(args.begin(), "run");
+  // "--name=" with nothing after '=' is an empty value, as `--name ""` is: CLI11 would take the next
+  // argument instead ("--prompt= --json" prompting with the text "--json", "--out= --no-fidelity"
+  // writing to a directory named "--no-fidelity").
+  // (Not where the argument is itself an option's value: `-p "--x="` prompts with "--x=".)
+  const CLI::App* named = nullptr;
+  for (const auto& entry : runners)
+    if (!args.empty() && entry.first->get_name() == args[0]) named = entry.first;
+  auto takes_value = [&](const std::string& arg) {
+    const CLI::Option* opt = named && arg.find('=') == std::string::npos ? named->get_option_no_throw(arg) : nullptr;
+    return opt != nullptr && opt->get_items_expected_min() > 0;
+  };
+  for (size_t i = 1; i < args.size(); ++i) {
+    if (args[i] == "--") break;
+    if (args[i].size() > 3 && args[i].rfind("--", 0) == 0 && args[i].find('=') == args[i].size() - 1 &&
+        !takes_value(args[i - 1])) {
+      args[i].pop_back();
+      args.insert(args.begin() + std::ptrdiff_t(++i), std::string());
+    }
+  }
   for (const auto& entry : runners)
     if (!args.empty() && entry.first->get_name() == args[0])
       if (const std::string why = locks::cli::empty_list_item(*entry.first, args); !why.empty()) {
-        fmt::print(stderr, "locks: error: {}\n", why);
+        diag("locks: error: {}\n", why);
         return 2;
       }
   // An unknown subcommand is an error even with --help (which CLI11 would answer with the main help).
   if (!args.empty() && !args[0].empty() && args[0][0] != '-' &&
       std::none_of(runners.begin(), runners.end(), [&](const auto& r) { return r.first->get_name() == args[0]; })) {
-    fmt::print(stderr, "locks: error: unknown subcommand '{}' (run, bench, eval)\n", args[0]);
+    diag("locks: error: unknown subcommand '{}' (run, bench, eval)\n", args[0]);
     return 2;
   }
   std::reverse(args.begin(), args.end());  // CLI11 takes the vector form in reverse order
@@ -73,7 +101,7 @@ int locks_main(int argc, char** argv) {
   } catch (const CLI::CallForVersion& e) {
     return app.exit(e);  // prints "locks X.Y.Z"
   } catch (const CLI::ParseError& e) {
-    fmt::print(stderr, "locks: error: {}\n", e.what());
+    diag("locks: error: {}\n", usage_message(e));
     return 2;
   }
   try {
@@ -84,17 +112,17 @@ int locks_main(int argc, char** argv) {
     run_app->parse(std::vector<std::string>{});
     return runners[run_app]();
   } catch (const CLI::ParseError& e) {
-    fmt::print(stderr, "locks: error: {}\n", e.what());
+    diag("locks: error: {}\n", usage_message(e));
     return 2;
   } catch (const std::bad_alloc&) {
     std::fflush(stdout);  // what the command printed so far comes before the error
-    fmt::print(stderr,
+    diag(
                "locks: error: out of memory: use less context (run: -c/--ctx; eval: --lengths; bench: --contexts, "
                "--kv-heads, --batches)\n");
     return 1;
   } catch (const std::exception& e) {
     std::fflush(stdout);
-    fmt::print(stderr, "locks: error: {}\n", e.what());
+    diag("locks: error: {}\n", e.what());
     return 1;
   }
 }
@@ -106,7 +134,7 @@ int main(int argc, char** argv) {
   // Output that could not be written (a full disk, a closed pipe) is a failure, not a success.
   std::cout.flush();
   if (!std::cout || std::fflush(stdout) != 0 || std::ferror(stdout)) {
-    fmt::print(stderr, "locks: error: could not write to standard output\n");
+    diag("locks: error: could not write to standard output\n");
     return rc != 0 ? rc : 1;
   }
   return rc;

@@ -44,7 +44,8 @@ class LlamaModel {
  public:
   /// Load hyper-parameters, weights and tokenizer. Throws std::runtime_error naming the file and the
   /// missing/invalid key or tensor (wrong shape, unsupported type, architecture not "llama",
-  /// head counts that do not divide).
+  /// head counts that do not divide), or that memory ran out while loading it (the file is read
+  /// whole and the weights are held as f32).
   static LlamaModel load(const std::string& path);
   static LlamaModel from_gguf(const GgufFile& gguf);
 

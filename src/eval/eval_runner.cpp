@@ -22,6 +22,7 @@
 #include "locks/session.h"
 #include "locks/shared_basis.h"
 #include "locks/svg_plot.h"
+#include "locks/svg_plot.h"
 #include "locks/text_corpus.h"
 
 namespace locks {
@@ -295,7 +296,13 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg,
   const std::string csv_path = cfg.out_dir + "/results.csv";
   std::ofstream csv(csv_path, std::ios::trunc);
   if (!csv) throw std::runtime_error(fmt::format("cannot write '{}'", csv_path));
-  csv << kCsvHeader << "\n" << std::flush;
+  // Rows go out as they are measured (a long run keeps what it finished); a failed write (a full
+  // disk) stops the run instead of leaving a cut-off file behind a success.
+  auto flush_csv = [&] {
+    if (!(csv << std::flush)) throw std::runtime_error(fmt::format("cannot write '{}' (disk full?)", csv_path));
+  };
+  csv << kCsvHeader << "\n";
+  flush_csv();
 
   // Loki's scope: one basis per (layer, KV head) from a dense prefill of calibration text.
   std::shared_ptr<const GlobalBasis> global;
@@ -348,7 +355,8 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg,
     row.budget = b;
     body(s, row);
     fill_efficiency(s, row);
-    csv << csv_row(row) << "\n" << std::flush;
+    csv << csv_row(row) << "\n";
+    flush_csv();
     rows.push_back(row);
   };
 
@@ -488,7 +496,7 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg,
           csv << csv_row(j.row) << "\n";
           rows.push_back(j.row);
         }
-        csv << std::flush;
+        flush_csv();
         done += int(tasks.size());
       }
     }
@@ -563,17 +571,18 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg,
 
   // Locality finding (averaged over the measured contexts of each length).
   {
-    std::ofstream loc(cfg.out_dir + "/locality.csv", std::ios::trunc);
-    loc << "length,rank,page_local,sequence,global\n";
+    std::string loc = "length,rank,page_local,sequence,global\n";
     for (const auto& [len, results] : locality) {
       for (size_t k = 0; k < loc_ranks.size(); ++k) {
         const LocalityMean m = mean_locality(results, k);
-        loc << fmt::format("{},{},{:.6f},{:.6f},{:.6f}\n", len, loc_ranks[k], m.page_local, m.sequence, m.global);
+        loc += fmt::format("{},{},{:.6f},{:.6f},{:.6f}\n", len, loc_ranks[k], m.page_local, m.sequence, m.global);
       }
     }
+    write_text_file(cfg.out_dir + "/locality.csv", loc);
   }
-  std::ofstream md(cfg.out_dir + "/summary.md", std::ios::trunc);
-  md << eval_summary_markdown(cfg, rows);
+  csv.close();
+  if (!csv) throw std::runtime_error(fmt::format("cannot write '{}' (disk full?)", csv_path));
+  write_text_file(cfg.out_dir + "/summary.md", eval_summary_markdown(cfg, rows));
   write_eval_plots(cfg, rows, locality, loc_ranks);
   return rows;
 }

@@ -1,8 +1,11 @@
 // GGUF -> LlamaModel: hyper-parameters from `llama.*` keys, weights dequantized to float32.
 #include <cmath>
+#include <filesystem>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <system_error>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -31,7 +34,18 @@ std::vector<float> load_vector(const GgufFile& f, const std::string& name, int n
 
 }  // namespace
 
-LlamaModel LlamaModel::load(const std::string& path) { return from_gguf(GgufFile::open(path)); }
+LlamaModel LlamaModel::load(const std::string& path) {
+  try {
+    return from_gguf(GgufFile::open(path));
+  } catch (const std::bad_alloc&) {  // (the caller's "use less context" advice would not apply)
+    std::error_code ec;
+    const auto size = std::filesystem::file_size(path, ec);
+    throw std::runtime_error(fmt::format(
+        "GGUF '{}': out of memory loading the model ({:.1f} GB file; it is read whole and its weights are held "
+        "as f32)",
+        path, ec ? 0.0 : double(size) / 1e9));
+  }
+}
 
 LlamaModel LlamaModel::from_gguf(const GgufFile& f) {
   const std::string arch = f.get_string("general.architecture");

@@ -1,10 +1,10 @@
 #include "locks/read_input.h"
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <iostream>
+#include <memory>
 #include <stdexcept>
 #include <system_error>
 
@@ -20,26 +20,25 @@ std::string read_input(const std::string& path, size_t max_bytes, const std::str
   const std::string name = input_name(path, what);
   std::error_code ec;
   if (path != "-" && std::filesystem::is_directory(path, ec)) throw std::runtime_error(name + " is a directory");
-  std::ifstream file;
-  if (path != "-") {
-    errno = 0;
-    file.open(path, std::ios::binary);
-    if (!file)
-      throw std::runtime_error("cannot open " + name +
-                               (errno != 0 ? std::string(": ") + std::strerror(errno) : std::string()));
-  }
-  std::istream& in = path == "-" ? std::cin : file;
+  // C stdio for both: a standard input that cannot be read (closed, a directory) sets ferror, where
+  // std::cin would only see an end of file and the input would pass for empty.
+  errno = 0;
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> file(path == "-" ? nullptr : std::fopen(path.c_str(), "rb"),
+                                                        &std::fclose);
+  if (path != "-" && !file)
+    throw std::runtime_error("cannot open " + name + (errno != 0 ? std::string(": ") + std::strerror(errno) : ""));
+  std::FILE* in = path == "-" ? stdin : file.get();
   std::string text;
   char buf[1 << 16];
-  while (in) {
-    in.read(buf, sizeof buf);
-    const size_t got = size_t(in.gcount());
+  errno = 0;
+  for (size_t got; (got = std::fread(buf, 1, sizeof buf, in)) > 0;) {
     if (got > max_bytes - text.size())
       throw std::runtime_error(
           fmt::format("{} is larger than {} MiB (an endless input such as /dev/zero?)", name, max_bytes >> 20));
     text.append(buf, got);
   }
-  if (in.bad()) throw std::runtime_error("cannot read " + name);
+  if (std::ferror(in))
+    throw std::runtime_error("cannot read " + name + (errno != 0 ? std::string(": ") + std::strerror(errno) : ""));
   return text;
 }
 
