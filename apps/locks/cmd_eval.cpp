@@ -95,7 +95,8 @@ Runner add_eval(CLI::App& app) {
       no_repeats(cfg.families, "task");
       if (cfg.out_dir.empty()) throw std::invalid_argument("--out: empty output directory");
       // Before the model and corpus load (run_eval checks again as it creates the directory).
-      if (std::error_code ec; std::filesystem::exists(cfg.out_dir, ec) && !std::filesystem::is_directory(cfg.out_dir, ec))
+      if (std::error_code ec;
+          std::filesystem::exists(cfg.out_dir, ec) && !std::filesystem::is_directory(cfg.out_dir, ec))
         throw std::invalid_argument(fmt::format("output directory '{}': not a directory", cfg.out_dir));
       std::vector<std::pair<std::string, std::string>> configs;  // (options key, spec as given)
       for (const auto& s : cfg.selectors) {
@@ -106,8 +107,7 @@ Runner add_eval(CLI::App& app) {
         const std::string key = selector_options_key(spec.name, spec.opts);
         for (const auto& [k, given] : configs)
           if (k == key)
-            throw std::invalid_argument(
-                fmt::format("selectors '{}' and '{}' are the same configuration", given, s));
+            throw std::invalid_argument(fmt::format("selectors '{}' and '{}' are the same configuration", given, s));
         configs.emplace_back(key, s);
         try {
           spec.opts.summary.validate(16, 64);

@@ -72,7 +72,8 @@ int run(const RunArgs& a) {
     prompt = read_input(path, kMaxPromptBytes, what);
     // An empty file is more likely a mistake than a request to generate from BOS, which -p "" asks.
     if (prompt.empty())
-      throw std::invalid_argument(fmt::format("{} is empty (-p \"\" generates from BOS alone)", input_name(path, what)));
+      throw std::invalid_argument(
+          fmt::format("{} is empty (-p \"\" generates from BOS alone)", input_name(path, what)));
     require_text(prompt, path, what);  // as eval's corpus
   }
   const std::string model_path = a.model.empty() ? default_model_path() : a.model;
@@ -112,7 +113,7 @@ int run(const RunArgs& a) {
   sc.n_ctx = a.n_ctx;
   if (a.n_ctx > model.hp.n_ctx_train)
     diag("[locks] warning: context {} tokens exceeds the model's training context of {}\n", a.n_ctx,
-               model.hp.n_ctx_train);
+         model.hp.n_ctx_train);
   Session session(model, sc);  // before tokenizing: a context or budget it refuses is refused at once
   const std::vector<int32_t> ids = model.tokenizer.encode(prompt, model.tokenizer.add_bos());
 
@@ -158,9 +159,8 @@ int run(const RunArgs& a) {
                           "(ratio {:.3f}, {:.1f}x fewer)",
                           r.decode.steps, r.decode.steps == 1 ? "" : "s", decode_tps, bytes_step / 1024.0,
                           dense_step / 1024.0, ratio, ratio > 0 ? 1.0 / ratio : 0.0);
-    diag("[locks] selector={} budget={} | prompt {} token{} | prefill {:.2f} s ({:.0f} tok/s) | {}\n",
-               a.selector, budget, r.prompt_ids.size(), r.prompt_ids.size() == 1 ? "" : "s", r.prefill_seconds,
-               prefill_tps, decode);
+    diag("[locks] selector={} budget={} | prompt {} token{} | prefill {:.2f} s ({:.0f} tok/s) | {}\n", a.selector,
+         budget, r.prompt_ids.size(), r.prompt_ids.size() == 1 ? "" : "s", r.prefill_seconds, prefill_tps, decode);
   }
   return 0;
 }

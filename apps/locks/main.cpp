@@ -79,15 +79,13 @@ int locks_main(int argc, char** argv) {
       args.insert(args.begin() + std::ptrdiff_t(++i), std::string());
     }
   }
-  for (const auto& entry : runners)
-    if (!args.empty() && entry.first->get_name() == args[0])
-      if (const std::string why = locks::cli::empty_list_item(*entry.first, args); !why.empty()) {
-        diag("locks: error: {}\n", why);
-        return 2;
-      }
+  if (named)
+    if (const std::string why = locks::cli::empty_list_item(*named, args); !why.empty()) {
+      diag("locks: error: {}\n", why);
+      return 2;
+    }
   // An unknown subcommand is an error even with --help (which CLI11 would answer with the main help).
-  if (!args.empty() && !args[0].empty() && args[0][0] != '-' &&
-      std::none_of(runners.begin(), runners.end(), [&](const auto& r) { return r.first->get_name() == args[0]; })) {
+  if (!named && !args.empty() && !args[0].empty() && args[0][0] != '-') {
     diag("locks: error: unknown subcommand '{}' (run, bench, eval)\n", args[0]);
     return 2;
   }
@@ -117,8 +115,8 @@ int locks_main(int argc, char** argv) {
   } catch (const std::bad_alloc&) {
     std::fflush(stdout);  // what the command printed so far comes before the error
     diag(
-               "locks: error: out of memory: use less context (run: -c/--ctx; eval: --lengths; bench: --contexts, "
-               "--kv-heads, --batches)\n");
+        "locks: error: out of memory: use less context (run: -c/--ctx; eval: --lengths; bench: --contexts, "
+        "--kv-heads, --batches)\n");
     return 1;
   } catch (const std::exception& e) {
     std::fflush(stdout);

@@ -24,7 +24,7 @@ std::string read_input(const std::string& path, size_t max_bytes, const std::str
   // std::cin would only see an end of file and the input would pass for empty.
   errno = 0;
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> file(path == "-" ? nullptr : std::fopen(path.c_str(), "rb"),
-                                                        &std::fclose);
+                                                       &std::fclose);
   if (path != "-" && !file)
     throw std::runtime_error("cannot open " + name + (errno != 0 ? std::string(": ") + std::strerror(errno) : ""));
   std::FILE* in = path == "-" ? stdin : file.get();
