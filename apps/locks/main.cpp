@@ -19,6 +19,9 @@ namespace {
 
 using locks::cli::diag;
 
+// Every error ends as this one line on stderr.
+void print_error(const std::string& what) { diag("locks: error: {}\n", what); }
+
 // CLI11 shows an option's type and then each check's own description: "INT:INT in [32 - 67108864]",
 // "TEXT:PATH", "TEXT:{f16,f32}". The check says more than the type, so --help shows it alone; and a
 // flag that sets false ("--no-fidelity{false}") without the value it stores.
@@ -81,12 +84,12 @@ int locks_main(int argc, char** argv) {
   }
   if (named)
     if (const std::string why = locks::cli::empty_list_item(*named, args); !why.empty()) {
-      diag("locks: error: {}\n", why);
+      print_error(why);
       return 2;
     }
   // An unknown subcommand is an error even with --help (which CLI11 would answer with the main help).
   if (!named && !args.empty() && !args[0].empty() && args[0][0] != '-') {
-    diag("locks: error: unknown subcommand '{}' (run, bench, eval)\n", args[0]);
+    print_error("unknown subcommand '" + args[0] + "' (run, bench, eval)");
     return 2;
   }
   std::reverse(args.begin(), args.end());  // CLI11 takes the vector form in reverse order
@@ -99,7 +102,7 @@ int locks_main(int argc, char** argv) {
   } catch (const CLI::CallForVersion& e) {
     return app.exit(e);  // prints "locks X.Y.Z"
   } catch (const CLI::ParseError& e) {
-    diag("locks: error: {}\n", usage_message(e));
+    print_error(usage_message(e));
     return 2;
   }
   try {
@@ -110,17 +113,17 @@ int locks_main(int argc, char** argv) {
     run_app->parse(std::vector<std::string>{});
     return runners[run_app]();
   } catch (const CLI::ParseError& e) {
-    diag("locks: error: {}\n", usage_message(e));
+    print_error(usage_message(e));
     return 2;
   } catch (const std::bad_alloc&) {
     std::fflush(stdout);  // what the command printed so far comes before the error
-    diag(
-        "locks: error: out of memory: use less context (run: -c/--ctx; eval: --lengths; bench: --contexts, "
-        "--kv-heads, --batches)\n");
+    print_error(
+        "out of memory: use less context (run: -c/--ctx; eval: --lengths; bench: --contexts, --kv-heads, "
+        "--batches)");
     return 1;
   } catch (const std::exception& e) {
     std::fflush(stdout);
-    diag("locks: error: {}\n", e.what());
+    print_error(e.what());
     return 1;
   }
 }
@@ -132,7 +135,7 @@ int main(int argc, char** argv) {
   // Output that could not be written (a full disk, a closed pipe) is a failure, not a success.
   std::cout.flush();
   if (!std::cout || std::fflush(stdout) != 0 || std::ferror(stdout)) {
-    diag("locks: error: could not write to standard output\n");
+    print_error("could not write to standard output");
     return rc != 0 ? rc : 1;
   }
   return rc;

@@ -22,7 +22,6 @@
 #include "locks/session.h"
 #include "locks/shared_basis.h"
 #include "locks/svg_plot.h"
-#include "locks/svg_plot.h"
 #include "locks/text_corpus.h"
 
 namespace locks {

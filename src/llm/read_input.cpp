@@ -25,8 +25,8 @@ std::string read_input(const std::string& path, size_t max_bytes, const std::str
   errno = 0;
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> file(path == "-" ? nullptr : std::fopen(path.c_str(), "rb"),
                                                        &std::fclose);
-  if (path != "-" && !file)
-    throw std::runtime_error("cannot open " + name + (errno != 0 ? std::string(": ") + std::strerror(errno) : ""));
+  auto reason = [] { return errno != 0 ? std::string(": ") + std::strerror(errno) : std::string(); };
+  if (path != "-" && !file) throw std::runtime_error("cannot open " + name + reason());
   std::FILE* in = path == "-" ? stdin : file.get();
   std::string text;
   char buf[1 << 16];
@@ -37,8 +37,7 @@ std::string read_input(const std::string& path, size_t max_bytes, const std::str
           fmt::format("{} is larger than {} MiB (an endless input such as /dev/zero?)", name, max_bytes >> 20));
     text.append(buf, got);
   }
-  if (std::ferror(in))
-    throw std::runtime_error("cannot read " + name + (errno != 0 ? std::string(": ") + std::strerror(errno) : ""));
+  if (std::ferror(in)) throw std::runtime_error("cannot read " + name + reason());
   return text;
 }
 
