@@ -1,0 +1,42 @@
+// Kernels shared by the GPU benchmarks (bench_util.cuh).
+#include "bench_util.cuh"
+
+namespace locks::cuda::bench {
+
+__global__ void fill_kv_kernel(uint16_t* k, uint16_t* v, size_t n_elems, int head_dim, int page_elems_per_head,
+                               bool bf16, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n_elems; i += size_t(gridDim.x) * blockDim.x) {
+    const size_t ph = i / page_elems_per_head;  // (page, head) block
+    const int x = int(i % head_dim);
+    const float base = 2.0f * hnormal(uint32_t(ph * 1315423911u) ^ uint32_t(x * 2654435761u) ^ seed);
+    const float kx = base + 0.5f * hnormal(uint32_t(i) * 3u + seed + 1u);
+    const float vx = hnormal(uint32_t(i) * 5u + seed + 7u);
+    if (bf16) {
+      k[i] = __bfloat16_as_ushort(__float2bfloat16_rn(kx));
+      v[i] = __bfloat16_as_ushort(__float2bfloat16_rn(vx));
+    } else {
+      k[i] = __half_as_ushort(__float2half_rn(kx));
+      v[i] = __half_as_ushort(__float2half_rn(vx));
+    }
+  }
+}
+
+__global__ void spin_kernel(uint64_t ns) {
+  uint64_t t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    __nanosleep(1000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < ns);
+}
+
+__global__ void read_kernel(const uint4* src, size_t n, uint32_t* sink) {
+  uint32_t acc = 0;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const uint4 v = __ldcs(src + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x9e3779b9u) *sink = acc;
+}
+
+}  // namespace locks::cuda::bench

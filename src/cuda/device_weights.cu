@@ -1,0 +1,214 @@
+// Weight upload (host float32 -> device bf16) and random weights for benchmarks.
+#include "device_weights.h"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "locks/quant.h"
+
+namespace locks::cuda {
+
+namespace {
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    throw std::runtime_error(fmt::format("CUDA weights: {}: {}", what, cudaGetErrorString(e)));
+  }
+}
+
+size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
+
+// Byte offsets of every tensor inside the one allocation, in upload order.
+struct Layout {
+  struct LayerOff {
+    size_t qkv, o, gate_up, down, attn_norm, ffn_norm;
+  };
+  size_t tok_embd = 0, output = 0, output_norm = 0, total = 0;
+  std::vector<LayerOff> layers;
+
+  Layout(const LlamaHparams& hp, bool tied) {
+    const size_t E = hp.n_embd, HD = hp.head_dim, F = hp.n_ff;
+    const size_t qkv_rows = (size_t(hp.n_head) + 2 * size_t(hp.n_head_kv)) * HD;
+    auto take = [&](size_t bytes) {
+      const size_t at = total;
+      total += align_up(bytes);
+      return at;
+    };
+    tok_embd = take(size_t(hp.n_vocab) * E * 2);
+    output = tied ? tok_embd : take(size_t(hp.n_vocab) * E * 2);
+    output_norm = take(E * 4);
+    for (int il = 0; il < hp.n_layer; ++il) {
+      LayerOff l;
+      l.qkv = take(qkv_rows * E * 2);
+      l.o = take(E * size_t(hp.n_head) * HD * 2);
+      l.gate_up = take(2 * F * E * 2);
+      l.down = take(E * F * 2);
+      l.attn_norm = take(E * 4);
+      l.ffn_norm = take(E * 4);
+      layers.push_back(l);
+    }
+  }
+};
+
+void allocate(DeviceWeights& w, void*& storage, const Layout& lay, const std::string& what) {
+  size_t free_b = 0, total_b = 0;
+  check(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");
+  if (lay.total > free_b)
+    throw std::runtime_error(fmt::format("{} needs {:.1f} GiB of GPU memory for its bf16 weights; {:.1f} GiB of {:.1f} "
+                                         "are free",
+                                         what, double(lay.total) / (1 << 30), double(free_b) / (1 << 30),
+                                         double(total_b) / (1 << 30)));
+  if (cudaMalloc(&storage, lay.total) != cudaSuccess) {
+    cudaGetLastError();
+    throw std::runtime_error(
+        fmt::format("{} needs {:.1f} GiB of GPU memory for its bf16 weights: cudaMalloc refused it", what,
+                    double(lay.total) / (1 << 30)));
+  }
+  w.bytes = lay.total;
+  auto* base = static_cast<unsigned char*>(storage);
+  w.tok_embd = reinterpret_cast<const uint16_t*>(base + lay.tok_embd);
+  w.output = reinterpret_cast<const uint16_t*>(base + lay.output);
+  w.output_norm = reinterpret_cast<const float*>(base + lay.output_norm);
+  w.layers.clear();
+  for (const auto& l : lay.layers) {
+    DeviceLayer d;
+    d.w_qkv = reinterpret_cast<const uint16_t*>(base + l.qkv);
+    d.w_o = reinterpret_cast<const uint16_t*>(base + l.o);
+    d.w_gate_up = reinterpret_cast<const uint16_t*>(base + l.gate_up);
+    d.w_down = reinterpret_cast<const uint16_t*>(base + l.down);
+    d.attn_norm = reinterpret_cast<const float*>(base + l.attn_norm);
+    d.ffn_norm = reinterpret_cast<const float*>(base + l.ffn_norm);
+    w.layers.push_back(d);
+  }
+}
+
+// Host float32 rows -> bf16 at a device address, through a bounded staging buffer.
+class Uploader {
+ public:
+  void bf16(const void* dst, const float* src, size_t n) {
+    auto* d = static_cast<uint16_t*>(const_cast<void*>(dst));
+    for (size_t off = 0; off < n; off += kChunk) {
+      const size_t m = std::min(kChunk, n - off);
+      stage_.resize(m);
+      for (size_t i = 0; i < m; ++i) stage_[i] = f32_to_bf16(src[off + i]);
+      check(cudaMemcpy(d + off, stage_.data(), m * 2, cudaMemcpyHostToDevice), "upload");
+    }
+  }
+  void f32(const void* dst, const float* src, size_t n) {
+    check(cudaMemcpy(const_cast<void*>(dst), src, n * 4, cudaMemcpyHostToDevice), "upload");
+  }
+
+ private:
+  static constexpr size_t kChunk = size_t(1) << 22;
+  std::vector<uint16_t> stage_;
+};
+
+__device__ __forceinline__ uint32_t mix32(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  x ^= x >> 33;
+  return uint32_t(x);
+}
+
+__global__ void fill_uniform_bf16(__nv_bfloat16* dst, size_t n, float amp, uint64_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const float u = float(mix32(seed * 0x9e3779b97f4a7c15ull + i) >> 8) * (1.0f / 16777216.0f);  // [0, 1)
+    dst[i] = __float2bfloat16_rn((2.0f * u - 1.0f) * amp);
+  }
+}
+__global__ void fill_value_f32(float* dst, size_t n, float v) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    dst[i] = v;
+}
+
+}  // namespace
+
+size_t DeviceWeights::bytes_for(const LlamaHparams& hp, bool tied_output) { return Layout(hp, tied_output).total; }
+
+DeviceWeights DeviceWeights::upload(const LlamaModel& m) {
+  const LlamaHparams& hp = m.hp;
+  const bool tied = m.output.data.empty();
+  const Layout lay(hp, tied);
+  DeviceWeights w;
+  w.hp = hp;
+  allocate(w, w.storage_, lay, fmt::format("model '{}'", m.name));
+  Uploader up;
+  const size_t E = hp.n_embd;
+  up.bf16(w.tok_embd, m.tok_embd.data.data(), m.tok_embd.data.size());
+  if (!tied) up.bf16(w.output, m.output.data.data(), m.output.data.size());
+  up.f32(w.output_norm, m.output_norm.data(), E);
+  for (int il = 0; il < hp.n_layer; ++il) {
+    const LlamaLayer& L = m.layers[il];
+    const DeviceLayer& d = w.layers[il];
+    // Q, K, V rows stacked: one product gives q | k | v per token.
+    up.bf16(d.w_qkv, L.wq.data.data(), L.wq.data.size());
+    up.bf16(d.w_qkv + L.wq.data.size(), L.wk.data.data(), L.wk.data.size());
+    up.bf16(d.w_qkv + L.wq.data.size() + L.wk.data.size(), L.wv.data.data(), L.wv.data.size());
+    up.bf16(d.w_o, L.wo.data.data(), L.wo.data.size());
+    up.bf16(d.w_gate_up, L.w_gate.data.data(), L.w_gate.data.size());
+    up.bf16(d.w_gate_up + L.w_gate.data.size(), L.w_up.data.data(), L.w_up.data.size());
+    up.bf16(d.w_down, L.w_down.data.data(), L.w_down.data.size());
+    up.f32(d.attn_norm, L.attn_norm.data(), E);
+    up.f32(d.ffn_norm, L.ffn_norm.data(), E);
+  }
+  return w;
+}
+
+DeviceWeights DeviceWeights::random(const LlamaHparams& hp, uint64_t seed, bool tied_output) {
+  const Layout lay(hp, tied_output);
+  DeviceWeights w;
+  w.hp = hp;
+  allocate(w, w.storage_, lay,
+           fmt::format("a {}-layer model of n_embd {} and vocabulary {}", hp.n_layer, hp.n_embd, hp.n_vocab));
+  const size_t E = hp.n_embd, HD = hp.head_dim, F = hp.n_ff;
+  uint64_t s = seed;
+  auto fill = [&](const uint16_t* p, size_t n, size_t n_in) {
+    fill_uniform_bf16<<<1024, 256>>>(reinterpret_cast<__nv_bfloat16*>(const_cast<uint16_t*>(p)), n,
+                                     std::sqrt(3.0f / float(n_in)), ++s);
+  };
+  auto ones = [&](const float* p, size_t n) { fill_value_f32<<<64, 256>>>(const_cast<float*>(p), n, 1.0f); };
+  fill(w.tok_embd, size_t(hp.n_vocab) * E, 3);  // unit-variance embeddings
+  if (!tied_output) fill(w.output, size_t(hp.n_vocab) * E, E);
+  ones(w.output_norm, E);
+  for (const DeviceLayer& d : w.layers) {
+    fill(d.w_qkv, (size_t(hp.n_head) + 2 * size_t(hp.n_head_kv)) * HD * E, E);
+    fill(d.w_o, E * size_t(hp.n_head) * HD, size_t(hp.n_head) * HD);
+    fill(d.w_gate_up, 2 * F * E, E);
+    fill(d.w_down, E * F, F);
+    ones(d.attn_norm, E);
+    ones(d.ffn_norm, E);
+  }
+  check(cudaGetLastError(), "random weights");
+  check(cudaDeviceSynchronize(), "random weights");
+  return w;
+}
+
+DeviceWeights::DeviceWeights(DeviceWeights&& o) noexcept { *this = std::move(o); }
+DeviceWeights& DeviceWeights::operator=(DeviceWeights&& o) noexcept {
+  if (this != &o) {
+    if (storage_) cudaFree(storage_);
+    hp = o.hp;
+    tok_embd = o.tok_embd;
+    output = o.output;
+    output_norm = o.output_norm;
+    layers = std::move(o.layers);
+    bytes = o.bytes;
+    storage_ = std::exchange(o.storage_, nullptr);
+  }
+  return *this;
+}
+DeviceWeights::~DeviceWeights() {
+  if (storage_) cudaFree(storage_);
+}
+
+}  // namespace locks::cuda
