@@ -91,13 +91,13 @@ void answer_questions(Session& s, const NeedleTask& task, FidelityProbe* probe, 
   const std::vector<float>* logits = nullptr;
   for (size_t qi = 0; qi < task.questions.size(); ++qi) {
     const NeedleQuestion& q = task.questions[qi];
-    if (probe) probe->enabled = false;
+    if (probe) probe->set_enabled(false);
     for (int32_t t : q.prompt_ids) logits = &s.decode(t);
     std::vector<int32_t> carriers;
     for (size_t i = 0; i < q.answer_ids.size(); ++i) carriers.push_back(task.value_pos[q.needle] + int32_t(i));
     if (probe) {
       probe->set_carriers(carriers);
-      probe->enabled = true;
+      probe->set_enabled(true);
     }
     for (size_t i = 0; i < q.answer_ids.size(); ++i) {
       row.answer_tokens += 1;
@@ -475,11 +475,11 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg,
             std::unique_ptr<FidelityProbe> probe;
             if (cfg.fidelity && !budget_free(j.spec->name)) {
               probe = std::make_unique<FidelityProbe>();
-              s.set_probe(probe.get());
+              s.set_observer(probe.get());
             }
             answer_questions(s, *j.task, probe.get(), j.row, j.prefix >= 0 ? &prefix_rows[size_t(j.prefix)] : nullptr);
             fill_fidelity(probe.get(), j.row);
-            s.set_probe(nullptr);
+            s.set_observer(nullptr);
             fill_efficiency(s, j.row);
           } catch (const std::exception& e) {
             errors[size_t(i)] = e.what();
