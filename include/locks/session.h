@@ -70,7 +70,7 @@ class Session {
   /// fork(cfg) with a clone of `prepared` (prepare_selector(cfg) on this session, same selector and
   /// options; the sequence unchanged since) as the new selector; same result, no metadata build.
   /// Throws std::invalid_argument when `prepared` is not the selector cfg.selector names, or was
-  /// made with other options (Selector::options_key).
+  /// made with other values of the options it reads (same_selector).
   Session fork(const SessionConfig& cfg, const Selector& prepared) const;
   Session& operator=(const Session&) = delete;
 

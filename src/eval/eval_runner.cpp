@@ -48,7 +48,7 @@ std::string csv_row(const EvalRow& r) {
                      csv_num(r.carrier_retention), csv_num(r.carrier_retention_any), csv_num(r.carrier_obs));
 }
 
-bool budget_free(const std::string& name) { return name == "full"; }
+bool budget_free(const std::string& name) { return !(selector_inputs(name) & kInputBudget); }
 
 void fill_efficiency(const Session& s, EvalRow& row) {
   const DecodeTotals& t = s.totals();
@@ -140,16 +140,15 @@ double mean_of(const std::vector<EvalRow>& rows, F&& pick) {
   return n > 0 ? s / n : kNaN;
 }
 
-// Whether selector `name` reads the option of spec key `k` (include/locks/selector.h, SelectorOptions).
-bool selector_key_applies(const std::string& name, const std::string& k) {
-  const bool shared_basis = name == "sequence-basis" || name == "global-basis";
-  if (k == "rule") return name != "full" && name != "streaming";
-  // (the shared-basis scopes size their rank from the whole format when rho is not given)
-  if (k == "r" || k == "basis") return name == "locks" || name == "second-moment" || shared_basis;
-  if (k == "coef") return name == "locks" || shared_basis;
-  if (k == "centroid") return name == "locks" || name == "second-moment" || name == "centroid" || shared_basis;
-  if (k == "rho") return shared_basis;
-  return true;  // unknown keys are refused below
+// The SelectorOptions input that spec key `k` sets (0 for an unknown key, refused by the parser).
+unsigned spec_key_input(const std::string& k) {
+  if (k == "r") return kInputRank;
+  if (k == "basis") return kInputBasisBits;
+  if (k == "coef") return kInputCoefBits;
+  if (k == "centroid") return kInputCentroidBits;
+  if (k == "rule") return kInputGroupRule;
+  if (k == "rho") return kInputSharedRank;
+  return 0;
 }
 }  // namespace
 
@@ -167,6 +166,8 @@ SelectorSpec parse_selector_spec(const std::string& spec, const SummaryFormat& b
     if (first) {
       if (part.empty()) throw std::invalid_argument(fmt::format("selector '{}': empty selector name", spec));
       s.name = part;
+      if (const auto known = selector_names(); std::find(known.begin(), known.end(), s.name) == known.end())
+        throw std::invalid_argument(fmt::format("unknown selector '{}' in '{}'", s.name, spec));
       first = false;
     } else {
       const size_t eq = part.find('=');
@@ -186,9 +187,9 @@ SelectorSpec parse_selector_spec(const std::string& spec, const SummaryFormat& b
           throw std::invalid_argument(fmt::format("selector '{}': {}='{}' is not an integer", spec, k, v));
         }
       };
-      // Each key only where the selector reads that option (SelectorOptions): a key another selector
-      // ignores would only mislabel its rows.
-      if (!selector_key_applies(s.name, k))
+      // Each key only where the selector reads that option (the selector table): a key another
+      // selector ignores would only mislabel its rows.
+      if (const unsigned input = spec_key_input(k); input != 0 && !(selector_inputs(s.name) & input))
         throw std::invalid_argument(fmt::format("selector '{}': key '{}' does not apply to {}", spec, k, s.name));
       if (k == "r")
         s.opts.summary.rank = as_int();
@@ -212,9 +213,6 @@ SelectorSpec parse_selector_spec(const std::string& spec, const SummaryFormat& b
     }
     start = end + 1;
   }
-  const auto known = selector_names();
-  if (std::find(known.begin(), known.end(), s.name) == known.end())
-    throw std::invalid_argument(fmt::format("unknown selector '{}' in '{}'", s.name, spec));
   return s;
 }
 
@@ -271,7 +269,8 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg,
               : fmt::format("length {} is longer than the model's context of {} tokens", len, model.hp.n_ctx_train));
   for (const auto& s : specs) {
     KvCacheConfig probe_cfg{model.hp.n_layer, model.hp.n_head_kv, model.hp.head_dim, 16, 1, KvDtype::F16};
-    if (s.name != "global-basis") make_selector(s.name, probe_cfg, s.opts);  // throws on bad variants
+    // Throws on bad variants (global-basis waits for the basis calibrated below).
+    if (!(selector_inputs(s.name) & kInputGlobalBasis)) make_selector(s.name, probe_cfg, s.opts);
   }
   const std::vector<std::string> all_docs = load_documents(cfg.corpus_path);
   // Every tenth document is reserved for calibration (the global basis is fit on other text).
@@ -306,7 +305,8 @@ std::vector<EvalRow> run_eval(const EvalConfig& cfg,
   // Loki's scope: one basis per (layer, KV head) from a dense prefill of calibration text.
   std::shared_ptr<const GlobalBasis> global;
   {
-    const bool need = std::any_of(specs.begin(), specs.end(), [](const auto& s) { return s.name == "global-basis"; });
+    const bool need = std::any_of(specs.begin(), specs.end(),
+                                  [](const auto& s) { return selector_inputs(s.name) & kInputGlobalBasis; });
     if (need || cfg.locality_contexts > 0) {
       if (progress) progress(0, 1, "calibrating the global basis on 4096 tokens of other text");
       std::vector<int32_t> ids;

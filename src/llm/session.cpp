@@ -132,9 +132,10 @@ Session Session::fork(const SessionConfig& cfg, const Selector& prepared) const 
   if (prepared.name() != cfg.selector)
     throw std::invalid_argument(fmt::format("fork: the prepared selector is '{}', the config names '{}'",
                                             prepared.name(), cfg.selector));
-  if (const std::string want = selector_options_key(cfg.selector, cfg.selector_opts); prepared.options_key() != want)
+  if (!same_selector(prepared.name(), prepared.options(), cfg.selector, cfg.selector_opts))
     throw std::invalid_argument(fmt::format("fork: the prepared selector was made as '{}', the config asks for '{}'",
-                                            prepared.options_key(), want));
+                                            describe_selector(prepared.name(), prepared.options()),
+                                            describe_selector(cfg.selector, cfg.selector_opts)));
   return fork_with(cfg, prepared.clone());
 }
 
