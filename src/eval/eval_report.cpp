@@ -1,5 +1,5 @@
 // The Markdown summary and SVG plots of `locks eval`.
-#include "eval/eval_report.h"
+#include "eval/eval_internal.h"
 
 #include <array>
 #include <cmath>

@@ -1,4 +1,4 @@
-// Report writers of `locks eval` (internal): SVG plots from finished rows.
+// Internal to locks::eval: what eval_run.cpp and eval_report.cpp share (the report writers).
 #pragma once
 
 #include <map>

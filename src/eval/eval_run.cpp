@@ -14,7 +14,7 @@
 #include <set>
 #include <stdexcept>
 
-#include "eval/eval_report.h"
+#include "eval/eval_internal.h"
 #include "locks/fidelity.h"
 #include "locks/locality.h"
 #include "locks/model.h"
