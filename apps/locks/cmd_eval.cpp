@@ -8,8 +8,8 @@
 
 #include "commands.h"
 #include "locks/eval_runner.h"
-#include "locks/paths.h"
 #include "locks/selector.h"
+#include "paths.h"
 
 namespace locks::cli {
 

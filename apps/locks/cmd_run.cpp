@@ -13,8 +13,8 @@
 #include "commands.h"
 #include "locks/generate.h"
 #include "locks/model.h"
-#include "locks/paths.h"
-#include "locks/read_input.h"
+#include "locks/text_corpus.h"
+#include "paths.h"
 
 namespace locks::cli {
 
