@@ -1,6 +1,6 @@
-// The Llama-family forward pass, written once over the operations of a device: llama_forward calls
-// them top to bottom; the CPU engine (src/llm/cpu_forward.cpp) and the GPU engine
-// (src/cuda/cuda_forward.cu) implement them. Selection (Alg. 2) is a detail of `attention` in decode.
+// The Llama-family forward pass, written once over the operations of a device: llama_forward (at the
+// end of this file) calls them top to bottom; the CPU engine (src/llm/cpu_forward.cpp) and the GPU
+// engine (src/cuda/cuda_forward.cu) implement them. Selection (Alg. 2) is a detail of `attention`.
 #pragma once
 
 #include <cstdint>
@@ -8,7 +8,15 @@
 
 namespace locks {
 
-struct LlamaHparams;
+/// Work done by decode steps, summed (bytes are per step summed over layers and KV heads).
+struct DecodeTotals {
+  int64_t steps = 0;
+  double bytes_read = 0;        // selector reads + K/V of attended pages
+  double dense_bytes = 0;       // K/V of every page (what full attention reads)
+  double select_seconds = 0;    // CPU only: the selectors' time
+  double attend_seconds = 0;    // CPU only: decode attention's time
+  double seconds = 0;           // whole decode steps
+};
 
 /// The rows of one forward call. Prefill: `tokens` are consecutive positions of one sequence,
 /// starting at its current length. Decode: one token per sequence of the batch (row b is sequence
@@ -16,6 +24,7 @@ struct LlamaHparams;
 struct ForwardStep {
   std::span<const int32_t> tokens;
   bool decode = false;
+  DecodeTotals* totals = nullptr;  // decode: the bytes the step reads are added here (nullable)
 };
 
 /// Which RMSNorm weight a norm applies.
@@ -45,12 +54,36 @@ class ForwardOps {
   virtual void end() = 0;                                   // the step's work is enqueued / done
   /// An operation threw between begin() and end(): drop what the step started (a graph capture).
   virtual void abort() noexcept {}
+  /// Tokens sequence `seq` holds (in the cache, including a step that threw after appending).
+  virtual int32_t n_tokens(int seq) const = 0;
   /// Copies sequence `seq`'s logits [n_vocab] of the last step to the host (waits for the step).
   virtual void read_logits(int seq, std::span<float> out) = 0;
 };
 
-/// Embed -> per layer {RMSNorm, QKV, RoPE, append K/V, attention, output projection, RMSNorm,
-/// SwiGLU FFN} -> final norm -> logits, on whatever device `ops` runs.
-void llama_forward(ForwardOps& ops, const LlamaHparams& hp, const ForwardStep& step);
+/// Embed -> per layer {RMSNorm, QKV, RoPE + append K/V (+ Alg. 1 on pages that filled), attention
+/// (decode: select -> attend, Alg. 2), output projection, RMSNorm, SwiGLU FFN} -> final norm ->
+/// logits, on whatever device `ops` runs. `n_layer` is the model's layer count.
+inline void llama_forward(ForwardOps& ops, int n_layer, const ForwardStep& step) {
+  if (!ops.begin(step)) return;  // the device replayed a graph it captured from these same calls
+  try {
+    ops.embed();
+    for (int il = 0; il < n_layer; ++il) {
+      ops.rmsnorm(il, NormWeight::kAttention);
+      ops.qkv(il);
+      ops.rope_append(il);
+      ops.attention(il);
+      ops.project_add(il, Projection::kOutput);
+      ops.rmsnorm(il, NormWeight::kFeedForward);
+      ops.gate_up_swiglu(il);
+      ops.project_add(il, Projection::kDown);
+    }
+    ops.rmsnorm(-1, NormWeight::kOutput);
+    ops.logits();
+  } catch (...) {
+    ops.abort();
+    throw;
+  }
+  ops.end();
+}
 
 }  // namespace locks

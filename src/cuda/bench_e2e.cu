@@ -52,7 +52,7 @@ double time_step(CudaForward& fwd, const LlamaHparams& hp, const ForwardStep& st
   cudaStream_t s = fwd.stream();
   bench::spin_kernel<<<1, 1, 0, s>>>(300000);
   ck(cudaEventRecord(t.a, s), "record");
-  llama_forward(fwd, hp, step);
+  llama_forward(fwd, hp.n_layer, step);
   ck(cudaEventRecord(t.b, s), "record");
   ck(cudaEventSynchronize(t.b), "step");
   return t.elapsed_us();
@@ -153,7 +153,7 @@ int run_e2e_bench(const E2eOptions& o) {
           const auto t0 = std::chrono::steady_clock::now();
           for (int off = 0; off < ctx; off += o.prefill_chunk) {
             const int n = std::min(o.prefill_chunk, ctx - off);
-            llama_forward(fwd, hp, ForwardStep{std::span<const int32_t>(prompt.data() + off, size_t(n)), false});
+            llama_forward(fwd, hp.n_layer, ForwardStep{std::span<const int32_t>(prompt.data() + off, size_t(n)), false});
           }
           int32_t* d_next = nullptr;
           ck(cudaMallocAsync(reinterpret_cast<void**>(&d_next), 4, s), "alloc");

@@ -18,10 +18,16 @@ namespace {
 
 size_t align256(size_t x) { return (x + 255) / 256 * 256; }
 
+void check_cuda(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return;
+  cudaGetLastError();
+  throw std::runtime_error(fmt::format("CUDA engine: {}: {}", what, cudaGetErrorString(e)));
+}
+
 // Byte offsets of the step buffers inside one allocation.
 struct BufferLayout {
   size_t tokens, x, xn, qkv, q, att, att_bf, gate_up, ffn, logits, inv_freq, status, total = 0;
-  BufferLayout(const LlamaHparams& hp, int rows, int seqs) {
+  BufferLayout(const LlamaHparams& hp, int rows, int seqs, size_t act) {
     const size_t R = rows, E = hp.n_embd, HD = hp.head_dim, NH = hp.n_head, NKV = hp.n_head_kv, F = hp.n_ff;
     auto take = [&](size_t bytes) {
       const size_t at = total;
@@ -30,13 +36,13 @@ struct BufferLayout {
     };
     tokens = take(R * 4);
     x = take(R * E * 4);
-    xn = take(R * E * 2);
+    xn = take(R * E * act);
     qkv = take(R * (NH + 2 * NKV) * HD * 4);
     q = take(R * NH * HD * 4);
     att = take(R * NH * HD * 4);
-    att_bf = take(R * NH * HD * 2);
+    att_bf = take(act == 4 ? 0 : R * NH * HD * 2);
     gate_up = take(R * 2 * F * 4);
-    ffn = take(R * F * 2);
+    ffn = take(R * F * act);
     logits = take(size_t(seqs) * hp.n_vocab * 4);
     inv_freq = take(size_t(std::max(1, hp.n_rot / 2)) * 8);
     status = take(4);
@@ -45,11 +51,7 @@ struct BufferLayout {
 
 }  // namespace
 
-void CudaForward::check(cudaError_t e, const char* what) const {
-  if (e == cudaSuccess) return;
-  cudaGetLastError();
-  throw std::runtime_error(fmt::format("CUDA engine: {}: {}", what, cudaGetErrorString(e)));
-}
+void CudaForward::check(cudaError_t e, const char* what) const { check_cuda(e, what); }
 
 CudaForward::CudaForward(std::shared_ptr<const DeviceWeights> weights, const EngineConfig& cfg)
     : w_(std::move(weights)), cfg_(cfg), hp_(w_->hp) {
@@ -69,7 +71,8 @@ CudaForward::CudaForward(std::shared_ptr<const DeviceWeights> weights, const Eng
   check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream");
   gemm_ = std::make_unique<Gemm>(stream_);
 
-  const BufferLayout lay(hp_, cfg.max_rows, cfg.max_seqs);
+  f32_ = w_->type == WeightType::kF32;
+  const BufferLayout lay(hp_, cfg.max_rows, cfg.max_seqs, f32_ ? 4 : 2);
   if (cudaMalloc(&buffers_, lay.total) != cudaSuccess) {
     cudaGetLastError();
     throw std::runtime_error(fmt::format("CUDA engine: no GPU memory for the step buffers ({:.1f} MiB for {} rows)",
@@ -78,13 +81,13 @@ CudaForward::CudaForward(std::shared_ptr<const DeviceWeights> weights, const Eng
   auto* base = static_cast<unsigned char*>(buffers_);
   tokens_ = reinterpret_cast<int32_t*>(base + lay.tokens);
   x_ = reinterpret_cast<float*>(base + lay.x);
-  xn_ = reinterpret_cast<uint16_t*>(base + lay.xn);
+  xn_ = base + lay.xn;
   qkv_ = reinterpret_cast<float*>(base + lay.qkv);
   q_ = reinterpret_cast<float*>(base + lay.q);
   att_ = reinterpret_cast<float*>(base + lay.att);
-  att_bf_ = reinterpret_cast<uint16_t*>(base + lay.att_bf);
+  att_in_ = f32_ ? static_cast<void*>(att_) : static_cast<void*>(base + lay.att_bf);
   gate_up_ = reinterpret_cast<float*>(base + lay.gate_up);
-  ffn_ = reinterpret_cast<uint16_t*>(base + lay.ffn);
+  ffn_ = base + lay.ffn;
   logits_ = reinterpret_cast<float*>(base + lay.logits);
   inv_freq_ = reinterpret_cast<double*>(base + lay.inv_freq);
   status_ = reinterpret_cast<uint32_t*>(base + lay.status);
@@ -179,6 +182,7 @@ bool CudaForward::begin(const ForwardStep& step) {
     cache_->advance(prefill_seq_, n, stream_);
     return true;
   }
+  if (step.totals) account(*step.totals);
   const int fills = cache_->decode_fills_page() ? 1 : 0;
   graph_slot_fill_ = fills;
   if (cudaGraphExec_t g = graphs_[sparse_][fills]) {
@@ -190,6 +194,23 @@ bool CudaForward::begin(const ForwardStep& step) {
   capturing_ = true;
   cache_->advance(-1, 1, stream_);
   return true;
+}
+
+void CudaForward::account(DecodeTotals& t) const {
+  // Bytes of the step about to run (the new token included), as the CPU engine counts them: K/V of
+  // the attended pages, plus the summaries of the other full pages and the partial page's keys.
+  const double el = 2.0, head_dim = hp_.head_dim, per_head = double(hp_.n_layer) * hp_.n_head_kv;
+  const double rec = plan_ ? double(summary_record_bytes(hp_.head_dim)) : 0.0;
+  for (int b = 0; b < cfg_.max_seqs; ++b) {
+    const double n = cache_->length(b) + 1.0;
+    const double pages = std::ceil(n / kPageSize), last = n - (pages - 1) * kPageSize;
+    const double dense = n * head_dim * el * 2;
+    double read = dense;
+    if (sparse_ && pages > cfg_.budget_pages)
+      read = (pages - 1) * rec + last * head_dim * el + (double(cfg_.budget_pages - 1) * kPageSize + last) * head_dim * el * 2;
+    t.dense_bytes += per_head * dense;
+    t.bytes_read += per_head * read;
+  }
 }
 
 void CudaForward::abort() noexcept {
@@ -214,9 +235,9 @@ void CudaForward::end() {
   check(cudaGraphLaunch(exec, stream_), "decode graph");
 }
 
-void CudaForward::gemm(const void* x, const uint16_t* w, float* y, int rows, int n_out, int n_in, bool accumulate) {
+void CudaForward::gemm(const void* x, const void* w, float* y, int rows, int n_out, int n_in, bool accumulate) {
   if (!on(kPartGemm)) return;
-  if (!gemm_->bf16(x, w, y, rows, n_out, n_in, accumulate)) throw std::runtime_error(gemm_->error());
+  if (!gemm_->run(x, w, f32_, y, rows, n_out, n_in, accumulate)) throw std::runtime_error(gemm_->error());
 }
 
 void CudaForward::set_parts(unsigned parts) {
@@ -226,7 +247,16 @@ void CudaForward::set_parts(unsigned parts) {
 
 void CudaForward::embed() {
   if (!on(kPartOther)) return;
-  check(embed_rows(tokens_, rows_, w_->tok_embd, hp_.n_vocab, hp_.n_embd, x_, status_, stream_), "embedding");
+  EmbedParams p;
+  p.tokens = tokens_;
+  p.table = w_->tok_embd;
+  p.f32 = f32_;
+  p.n_vocab = hp_.n_vocab;
+  p.n_embd = hp_.n_embd;
+  p.n_rows = rows_;
+  p.x = x_;
+  p.status = status_;
+  check(embed_rows(p, stream_), "embedding");
 }
 
 void CudaForward::rmsnorm(int il, NormWeight which) {
@@ -236,8 +266,15 @@ void CudaForward::rmsnorm(int il, NormWeight which) {
   if (!on(kPartOther)) return;
   // The output norm of a prefill call needs the last row only.
   const int first = out && !decode_ ? rows_ - 1 : 0;
-  check(rmsnorm_rows(x_ + size_t(first) * hp_.n_embd, w, rows_ - first, hp_.n_embd, hp_.rms_eps, xn_, stream_),
-        "RMSNorm");
+  RmsNormParams p;
+  p.x = x_ + size_t(first) * hp_.n_embd;
+  p.weight = w;
+  p.n_rows = rows_ - first;
+  p.n = hp_.n_embd;
+  p.eps = hp_.rms_eps;
+  p.out = xn_;
+  p.out_f32 = f32_;
+  check(rmsnorm_rows(p, stream_), "RMSNorm");
 }
 
 void CudaForward::qkv(int il) {
@@ -328,14 +365,14 @@ void CudaForward::attention(int il) {
     }
     check(causal_attention(p, stream_), "attention");
   }
-  if (on(kPartOther))
-    check(f32_to_bf16(att_, size_t(rows_) * hp_.n_head * hp_.head_dim, att_bf_, stream_), "attention output");
+  if (!f32_ && on(kPartOther))
+    check(f32_to_bf16(att_, att_in_, size_t(rows_) * hp_.n_head * hp_.head_dim, stream_), "attention output");
 }
 
 void CudaForward::project_add(int il, Projection which) {
   const DeviceLayer& L = w_->layers[il];
   if (which == Projection::kOutput)
-    gemm(att_bf_, L.w_o, x_, rows_, hp_.n_embd, hp_.n_head * hp_.head_dim, true);
+    gemm(att_in_, L.w_o, x_, rows_, hp_.n_embd, hp_.n_head * hp_.head_dim, true);
   else
     gemm(ffn_, L.w_down, x_, rows_, hp_.n_embd, hp_.n_ff, true);
 }
@@ -343,7 +380,16 @@ void CudaForward::project_add(int il, Projection which) {
 void CudaForward::gate_up_swiglu(int il) {
   const int F = hp_.n_ff;
   gemm(xn_, w_->layers[il].w_gate_up, gate_up_, rows_, 2 * F, hp_.n_embd, false);
-  if (on(kPartOther)) check(swiglu_rows(gate_up_, gate_up_ + F, 2 * F, rows_, F, ffn_, stream_), "SwiGLU");
+  if (!on(kPartOther)) return;
+  SwigluParams p;
+  p.gate = gate_up_;
+  p.up = gate_up_ + F;
+  p.gate_stride = p.up_stride = 2 * F;
+  p.n_rows = rows_;
+  p.n_ff = F;
+  p.out = ffn_;
+  p.out_f32 = f32_;
+  check(swiglu_rows(p, stream_), "SwiGLU");
 }
 
 void CudaForward::logits() {
@@ -355,12 +401,17 @@ void CudaForward::read_logits(int seq, std::span<float> out) {
   check(cudaMemcpyAsync(out.data(), logits_ + size_t(seq) * hp_.n_vocab, out.size() * 4, cudaMemcpyDeviceToHost,
                         stream_),
         "logits");
-  if (const uint32_t st = take_status(); st != 0)
-    throw std::runtime_error("CUDA engine: " + describe_decode_status(st));
+  if (const uint32_t st = take_status(); st != 0) throw std::runtime_error("CUDA engine: " + describe_status(st));
 }
 
 void CudaForward::argmax(int32_t* ids) {
-  check(argmax_rows(logits_, decode_ ? rows_ : 1, hp_.n_vocab, ids, status_, stream_), "argmax");
+  ArgmaxParams p;
+  p.logits = logits_;
+  p.n_rows = decode_ ? rows_ : 1;
+  p.n_vocab = hp_.n_vocab;
+  p.ids = ids;
+  p.status = status_;
+  check(argmax_rows(p, stream_), "argmax");
 }
 
 uint32_t CudaForward::take_status() {
@@ -372,10 +423,26 @@ uint32_t CudaForward::take_status() {
   return st | plan_st;
 }
 
+std::string describe_status(uint32_t status) {
+  const uint32_t model_bits = status & ~0xffu;
+  std::string s = describe_decode_status(status & 0xffu);
+  if (model_bits) s += (s.empty() ? "" : "; ") + describe_model_status(model_bits);
+  return s;
+}
+
 std::unique_ptr<ForwardOps> make_cuda_forward(const LlamaModel& model, const EngineConfig& cfg) {
   std::string why;
   if (!device_available(&why)) throw std::runtime_error(why);
-  auto weights = std::make_shared<DeviceWeights>(DeviceWeights::upload(model));
+  if (!cublas_available(&why)) throw std::runtime_error(why);
+  if (cfg.device >= 0) check_cuda(cudaSetDevice(cfg.device), "cudaSetDevice");
+  const bool tied = model.output.data.empty();
+  constexpr size_t kF32Limit = size_t(2) << 30;
+  const WeightType type = cfg.weights == EngineWeights::kF32    ? WeightType::kF32
+                          : cfg.weights == EngineWeights::kBF16 ? WeightType::kBF16
+                          : DeviceWeights::bytes_for(model.hp, tied, WeightType::kF32) <= kF32Limit
+                              ? WeightType::kF32
+                              : WeightType::kBF16;
+  auto weights = std::make_shared<DeviceWeights>(DeviceWeights::upload(model, type));
   return std::make_unique<CudaForward>(std::move(weights), cfg);
 }
 

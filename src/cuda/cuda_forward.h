@@ -18,6 +18,9 @@
 
 namespace locks::cuda {
 
+/// DecodeStatus and ModelStatus bits in words.
+std::string describe_status(uint32_t status);
+
 class CudaForward final : public ForwardOps {
  public:
   /// Throws std::invalid_argument for shapes the kernels do not support and std::runtime_error for
@@ -37,6 +40,7 @@ class CudaForward final : public ForwardOps {
   void end() override;
   void abort() noexcept override;
   void read_logits(int seq, std::span<float> out) override;
+  int32_t n_tokens(int seq) const override { return cache_->length(seq); }
 
   cudaStream_t stream() const { return stream_; }
   DeviceKvCache& cache() { return *cache_; }
@@ -68,7 +72,8 @@ class CudaForward final : public ForwardOps {
 
  private:
   void check(cudaError_t e, const char* what) const;
-  void gemm(const void* x, const uint16_t* w, float* y, int rows, int n_out, int n_in, bool accumulate);
+  void account(DecodeTotals& t) const;  // the bytes the next decode step reads
+  void gemm(const void* x, const void* w, float* y, int rows, int n_out, int n_in, bool accumulate);
 
   std::shared_ptr<const DeviceWeights> w_;
   EngineConfig cfg_;
@@ -78,6 +83,7 @@ class CudaForward final : public ForwardOps {
   std::unique_ptr<DeviceKvCache> cache_;
   std::unique_ptr<DecodePlan> plan_;
   bool sparse_ = false;
+  bool f32_ = false;  // float32 weights and product inputs (else bf16)
   unsigned parts_ = kPartAll;
   bool on(unsigned part) const { return (parts_ & part) != 0; }
   bool locks_capable_ = false;   // the fast decode kernels apply (head_dim 64/128, G <= 16)
@@ -96,13 +102,13 @@ class CudaForward final : public ForwardOps {
   int32_t* tokens_pinned_ = nullptr;
   cudaEvent_t tokens_copied_ = nullptr;
   float* x_ = nullptr;          // [rows][n_embd] residual stream
-  uint16_t* xn_ = nullptr;      // [rows][n_embd] bf16 normed
+  void* xn_ = nullptr;          // [rows][n_embd] normed, bf16 (float32 with f32_)
   float* qkv_ = nullptr;        // [rows][(n_head + 2 n_head_kv) head_dim]
   float* q_ = nullptr;          // [rows][n_head][head_dim]
   float* att_ = nullptr;        // [rows][n_head][head_dim]
-  uint16_t* att_bf_ = nullptr;  // [rows][n_head * head_dim]
+  void* att_in_ = nullptr;      // att as the output projection's input: bf16 copy (att_ itself with f32_)
   float* gate_up_ = nullptr;    // [rows][2 n_ff]
-  uint16_t* ffn_ = nullptr;     // [rows][n_ff]
+  void* ffn_ = nullptr;         // [rows][n_ff] SwiGLU product, bf16 (float32 with f32_)
   float* logits_ = nullptr;     // [max_seqs][n_vocab]
   double* inv_freq_ = nullptr;  // [n_rot / 2]
   uint32_t* status_ = nullptr;  // [1] engine status word

@@ -25,6 +25,8 @@ void check(cudaError_t e, const char* what) {
 }
 
 size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
+size_t elem_bytes(WeightType t) { return t == WeightType::kF32 ? 4 : 2; }
+const char* type_name(WeightType t) { return t == WeightType::kF32 ? "float32" : "bf16"; }
 
 // Byte offsets of every tensor inside the one allocation, in upload order.
 struct Layout {
@@ -34,7 +36,7 @@ struct Layout {
   size_t tok_embd = 0, output = 0, output_norm = 0, total = 0;
   std::vector<LayerOff> layers;
 
-  Layout(const LlamaHparams& hp, bool tied) {
+  Layout(const LlamaHparams& hp, bool tied, size_t el) {
     const size_t E = hp.n_embd, HD = hp.head_dim, F = hp.n_ff;
     const size_t qkv_rows = (size_t(hp.n_head) + 2 * size_t(hp.n_head_kv)) * HD;
     auto take = [&](size_t bytes) {
@@ -42,15 +44,15 @@ struct Layout {
       total += align_up(bytes);
       return at;
     };
-    tok_embd = take(size_t(hp.n_vocab) * E * 2);
-    output = tied ? tok_embd : take(size_t(hp.n_vocab) * E * 2);
+    tok_embd = take(size_t(hp.n_vocab) * E * el);
+    output = tied ? tok_embd : take(size_t(hp.n_vocab) * E * el);
     output_norm = take(E * 4);
     for (int il = 0; il < hp.n_layer; ++il) {
       LayerOff l;
-      l.qkv = take(qkv_rows * E * 2);
-      l.o = take(E * size_t(hp.n_head) * HD * 2);
-      l.gate_up = take(2 * F * E * 2);
-      l.down = take(E * F * 2);
+      l.qkv = take(qkv_rows * E * el);
+      l.o = take(E * size_t(hp.n_head) * HD * el);
+      l.gate_up = take(2 * F * E * el);
+      l.down = take(E * F * el);
       l.attn_norm = take(E * 4);
       l.ffn_norm = take(E * 4);
       layers.push_back(l);
@@ -62,39 +64,46 @@ void allocate(DeviceWeights& w, void*& storage, const Layout& lay, const std::st
   size_t free_b = 0, total_b = 0;
   check(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");
   if (lay.total > free_b)
-    throw std::runtime_error(fmt::format("{} needs {:.1f} GiB of GPU memory for its bf16 weights; {:.1f} GiB of {:.1f} "
+    throw std::runtime_error(fmt::format("{} needs {:.1f} GiB of GPU memory for its {} weights; {:.1f} GiB of {:.1f} "
                                          "are free",
-                                         what, double(lay.total) / (1 << 30), double(free_b) / (1 << 30),
-                                         double(total_b) / (1 << 30)));
+                                         what, double(lay.total) / (1 << 30), type_name(w.type),
+                                         double(free_b) / (1 << 30), double(total_b) / (1 << 30)));
   if (cudaMalloc(&storage, lay.total) != cudaSuccess) {
     cudaGetLastError();
     throw std::runtime_error(
-        fmt::format("{} needs {:.1f} GiB of GPU memory for its bf16 weights: cudaMalloc refused it", what,
-                    double(lay.total) / (1 << 30)));
+        fmt::format("{} needs {:.1f} GiB of GPU memory for its {} weights: cudaMalloc refused it", what,
+                    double(lay.total) / (1 << 30), type_name(w.type)));
   }
   w.bytes = lay.total;
   auto* base = static_cast<unsigned char*>(storage);
-  w.tok_embd = reinterpret_cast<const uint16_t*>(base + lay.tok_embd);
-  w.output = reinterpret_cast<const uint16_t*>(base + lay.output);
+  w.tok_embd = base + lay.tok_embd;
+  w.output = base + lay.output;
   w.output_norm = reinterpret_cast<const float*>(base + lay.output_norm);
   w.layers.clear();
   for (const auto& l : lay.layers) {
     DeviceLayer d;
-    d.w_qkv = reinterpret_cast<const uint16_t*>(base + l.qkv);
-    d.w_o = reinterpret_cast<const uint16_t*>(base + l.o);
-    d.w_gate_up = reinterpret_cast<const uint16_t*>(base + l.gate_up);
-    d.w_down = reinterpret_cast<const uint16_t*>(base + l.down);
+    d.w_qkv = base + l.qkv;
+    d.w_o = base + l.o;
+    d.w_gate_up = base + l.gate_up;
+    d.w_down = base + l.down;
     d.attn_norm = reinterpret_cast<const float*>(base + l.attn_norm);
     d.ffn_norm = reinterpret_cast<const float*>(base + l.ffn_norm);
     w.layers.push_back(d);
   }
 }
 
-// Host float32 rows -> bf16 at a device address, through a bounded staging buffer.
+// Host float32 rows -> the weight type at a device address (an element offset), through a bounded
+// staging buffer.
 class Uploader {
  public:
-  void bf16(const void* dst, const float* src, size_t n) {
-    auto* d = static_cast<uint16_t*>(const_cast<void*>(dst));
+  explicit Uploader(WeightType t) : type_(t) {}
+  void matrix(const void* dst, size_t at, const std::vector<float>& src) {
+    if (type_ == WeightType::kF32) {
+      f32(static_cast<const float*>(dst) + at, src.data(), src.size());
+      return;
+    }
+    auto* d = static_cast<uint16_t*>(const_cast<void*>(dst)) + at;
+    const size_t n = src.size();
     for (size_t off = 0; off < n; off += kChunk) {
       const size_t m = std::min(kChunk, n - off);
       stage_.resize(m);
@@ -108,6 +117,7 @@ class Uploader {
 
  private:
   static constexpr size_t kChunk = size_t(1) << 22;
+  WeightType type_;
   std::vector<uint16_t> stage_;
 };
 
@@ -133,31 +143,34 @@ __global__ void fill_value_f32(float* dst, size_t n, float v) {
 
 }  // namespace
 
-size_t DeviceWeights::bytes_for(const LlamaHparams& hp, bool tied_output) { return Layout(hp, tied_output).total; }
+size_t DeviceWeights::bytes_for(const LlamaHparams& hp, bool tied_output, WeightType type) {
+  return Layout(hp, tied_output, elem_bytes(type)).total;
+}
 
-DeviceWeights DeviceWeights::upload(const LlamaModel& m) {
+DeviceWeights DeviceWeights::upload(const LlamaModel& m, WeightType type) {
   const LlamaHparams& hp = m.hp;
   const bool tied = m.output.data.empty();
-  const Layout lay(hp, tied);
+  const Layout lay(hp, tied, elem_bytes(type));
   DeviceWeights w;
   w.hp = hp;
+  w.type = type;
   allocate(w, w.storage_, lay, fmt::format("model '{}'", m.name));
-  Uploader up;
+  Uploader up(type);
   const size_t E = hp.n_embd;
-  up.bf16(w.tok_embd, m.tok_embd.data.data(), m.tok_embd.data.size());
-  if (!tied) up.bf16(w.output, m.output.data.data(), m.output.data.size());
+  up.matrix(w.tok_embd, 0, m.tok_embd.data);
+  if (!tied) up.matrix(w.output, 0, m.output.data);
   up.f32(w.output_norm, m.output_norm.data(), E);
   for (int il = 0; il < hp.n_layer; ++il) {
     const LlamaLayer& L = m.layers[il];
     const DeviceLayer& d = w.layers[il];
     // Q, K, V rows stacked: one product gives q | k | v per token.
-    up.bf16(d.w_qkv, L.wq.data.data(), L.wq.data.size());
-    up.bf16(d.w_qkv + L.wq.data.size(), L.wk.data.data(), L.wk.data.size());
-    up.bf16(d.w_qkv + L.wq.data.size() + L.wk.data.size(), L.wv.data.data(), L.wv.data.size());
-    up.bf16(d.w_o, L.wo.data.data(), L.wo.data.size());
-    up.bf16(d.w_gate_up, L.w_gate.data.data(), L.w_gate.data.size());
-    up.bf16(d.w_gate_up + L.w_gate.data.size(), L.w_up.data.data(), L.w_up.data.size());
-    up.bf16(d.w_down, L.w_down.data.data(), L.w_down.data.size());
+    up.matrix(d.w_qkv, 0, L.wq.data);
+    up.matrix(d.w_qkv, L.wq.data.size(), L.wk.data);
+    up.matrix(d.w_qkv, L.wq.data.size() + L.wk.data.size(), L.wv.data);
+    up.matrix(d.w_o, 0, L.wo.data);
+    up.matrix(d.w_gate_up, 0, L.w_gate.data);
+    up.matrix(d.w_gate_up, L.w_gate.data.size(), L.w_up.data);
+    up.matrix(d.w_down, 0, L.w_down.data);
     up.f32(d.attn_norm, L.attn_norm.data(), E);
     up.f32(d.ffn_norm, L.ffn_norm.data(), E);
   }
@@ -165,15 +178,15 @@ DeviceWeights DeviceWeights::upload(const LlamaModel& m) {
 }
 
 DeviceWeights DeviceWeights::random(const LlamaHparams& hp, uint64_t seed, bool tied_output) {
-  const Layout lay(hp, tied_output);
+  const Layout lay(hp, tied_output, 2);
   DeviceWeights w;
   w.hp = hp;
   allocate(w, w.storage_, lay,
            fmt::format("a {}-layer model of n_embd {} and vocabulary {}", hp.n_layer, hp.n_embd, hp.n_vocab));
   const size_t E = hp.n_embd, HD = hp.head_dim, F = hp.n_ff;
   uint64_t s = seed;
-  auto fill = [&](const uint16_t* p, size_t n, size_t n_in) {
-    fill_uniform_bf16<<<1024, 256>>>(reinterpret_cast<__nv_bfloat16*>(const_cast<uint16_t*>(p)), n,
+  auto fill = [&](const void* p, size_t n, size_t n_in) {
+    fill_uniform_bf16<<<1024, 256>>>(static_cast<__nv_bfloat16*>(const_cast<void*>(p)), n,
                                      std::sqrt(3.0f / float(n_in)), ++s);
   };
   auto ones = [&](const float* p, size_t n) { fill_value_f32<<<64, 256>>>(const_cast<float*>(p), n, 1.0f); };

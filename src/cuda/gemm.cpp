@@ -87,14 +87,14 @@ Gemm::~Gemm() {
   if (workspace_) cudaFree(workspace_);
 }
 
-bool Gemm::bf16(const void* x, const void* w, float* y, int rows, int n_out, int n_in, bool accumulate) {
+bool Gemm::run(const void* x, const void* w, bool f32, float* y, int rows, int n_out, int n_in, bool accumulate) {
   // Column-major view: y^T [n_out x rows] = w [n_out x n_in] (stored as w^T, ld n_in) * x^T.
   const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+  const cudaDataType in = f32 ? CUDA_R_32F : CUDA_R_16BF;
   const Cublas& lib = cublas();
   const cublasStatus_t s =
-      lib.gemm_ex(static_cast<cublasHandle_t>(handle_), CUBLAS_OP_T, CUBLAS_OP_N, n_out, rows, n_in, &alpha, w,
-                  CUDA_R_16BF, n_in, x, CUDA_R_16BF, n_in, &beta, y, CUDA_R_32F, n_out, CUBLAS_COMPUTE_32F,
-                  CUBLAS_GEMM_DEFAULT);
+      lib.gemm_ex(static_cast<cublasHandle_t>(handle_), CUBLAS_OP_T, CUBLAS_OP_N, n_out, rows, n_in, &alpha, w, in,
+                  n_in, x, in, n_in, &beta, y, CUDA_R_32F, n_out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   if (s == CUBLAS_STATUS_SUCCESS) return true;
   error_ = std::string("cuBLAS GEMM ") + std::to_string(rows) + "x" + std::to_string(n_out) + "x" +
            std::to_string(n_in) + ": " + lib.status_string(s);

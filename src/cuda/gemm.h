@@ -20,10 +20,10 @@ class Gemm {
   Gemm(const Gemm&) = delete;
   Gemm& operator=(const Gemm&) = delete;
 
-  /// y[rows][n_out] = x[rows][n_in] * w[n_out][n_in]^T (+ y when accumulate): x and w bf16
-  /// row-major, y float32, float32 accumulation. Enqueued on the handle's stream; returns false
-  /// and sets error() on a cuBLAS failure.
-  bool bf16(const void* x, const void* w, float* y, int rows, int n_out, int n_in, bool accumulate);
+  /// y[rows][n_out] = x[rows][n_in] * w[n_out][n_in]^T (+ y when accumulate): x and w row-major,
+  /// bf16 (or float32 with f32: full-precision SGEMM, no TF32), y float32, float32 accumulation.
+  /// Enqueued on the handle's stream; returns false and sets error() on a cuBLAS failure.
+  bool run(const void* x, const void* w, bool f32, float* y, int rows, int n_out, int n_in, bool accumulate);
   const std::string& error() const { return error_; }
 
  private:

@@ -14,6 +14,10 @@ class LlamaModel;
 
 namespace locks::cuda {
 
+/// Matrix weights on the GPU: bf16 or float32; auto: float32 where they take at most 2 GiB (small
+/// models then compute as the CPU engine does), else bf16.
+enum class EngineWeights { kAuto, kBF16, kF32 };
+
 struct EngineConfig {
   int n_ctx = 0;                    // tokens per sequence (the decode plan's bound; > 0)
   int max_seqs = 1;                 // sequences decoded together (1..64)
@@ -23,6 +27,7 @@ struct EngineConfig {
   int budget_pages = 128;           // LOCKS budget k in pages (b = 16 k tokens)
   bool balance = true;              // DecodePlan's run-time balancing of ragged batches
   int n_pages_pool = 0;             // 0: sized from the GPU's free memory after the weights
+  EngineWeights weights = EngineWeights::kAuto;
   int device = -1;                  // -1: the current device
 };
 
