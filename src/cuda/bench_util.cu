@@ -1,7 +1,29 @@
 // Kernels shared by the GPU benchmarks (bench_util.cuh).
-#include "bench_util.cuh"
+#include "bench_util.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
 
 namespace locks::cuda::bench {
+
+namespace {
+
+__device__ __forceinline__ uint32_t hash32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+// Approximately standard normal (sum of 4 uniforms, variance-corrected).
+__device__ __forceinline__ float hnormal(uint32_t seed) {
+  float s = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) s += float(hash32(seed * 4u + uint32_t(i)) >> 8) * (1.0f / 16777216.0f);
+  return (s - 2.0f) * 1.7320508f;
+}
 
 __global__ void fill_kv_kernel(uint16_t* k, uint16_t* v, size_t n_elems, int head_dim, int page_elems_per_head,
                                bool bf16, uint32_t seed) {
@@ -37,6 +59,18 @@ __global__ void read_kernel(const uint4* src, size_t n, uint32_t* sink) {
     acc ^= v.x ^ v.y ^ v.z ^ v.w;
   }
   if (acc == 0x9e3779b9u) *sink = acc;
+}
+
+}  // namespace
+
+void fill_kv(void* k, void* v, size_t n_elems, int head_dim, bool bf16, uint32_t seed, cudaStream_t stream) {
+  fill_kv_kernel<<<2048, 256, 0, stream>>>(static_cast<uint16_t*>(k), static_cast<uint16_t*>(v), n_elems, head_dim,
+                                           16 * head_dim, bf16, seed);
+  ck(cudaGetLastError(), "fill KV");
+}
+void spin(uint64_t ns, cudaStream_t stream) { spin_kernel<<<1, 1, 0, stream>>>(ns); }
+void read_all(const void* src, size_t bytes, uint32_t* sink, int grid, cudaStream_t stream) {
+  read_kernel<<<grid, 512, 0, stream>>>(static_cast<const uint4*>(src), bytes / 16, sink);
 }
 
 }  // namespace locks::cuda::bench

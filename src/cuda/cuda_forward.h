@@ -103,8 +103,8 @@ class CudaForward final : public ForwardOps {
   cudaEvent_t tokens_copied_ = nullptr;
   float* x_ = nullptr;          // [rows][n_embd] residual stream
   void* xn_ = nullptr;          // [rows][n_embd] normed, bf16 (float32 with f32_)
-  float* qkv_ = nullptr;        // [rows][(n_head + 2 n_head_kv) head_dim]
   float* q_ = nullptr;          // [rows][n_head][head_dim]
+  float* kv_ = nullptr;         // [rows][2][n_head_kv][head_dim]: k then v of each row
   float* att_ = nullptr;        // [rows][n_head][head_dim]
   void* att_in_ = nullptr;      // att as the output projection's input: bf16 copy (att_ itself with f32_)
   float* gate_up_ = nullptr;    // [rows][2 n_ff]

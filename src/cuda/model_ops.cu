@@ -56,6 +56,8 @@ __global__ void __launch_bounds__(kRowThreads) embed_kernel(EmbedParams p) {
         }
         reinterpret_cast<float4*>(xr)[2 * c] = a;
         reinterpret_cast<float4*>(xr)[2 * c + 1] = b;
+      } else if (p.f32) {
+        xr[c] = ok ? static_cast<const float*>(p.table)[size_t(tok) * p.n_embd + c] : NAN;
       } else {
         xr[c] = ok ? bf16_lo(tr[c]) : NAN;
       }
@@ -248,6 +250,8 @@ __global__ void __launch_bounds__(kRowThreads) swiglu_kernel(SwigluParams p, int
         const float4 g = reinterpret_cast<const float4*>(gr)[c], u = reinterpret_cast<const float4*>(ur)[c];
         reinterpret_cast<uint2*>(p.out)[size_t(r) * n_vec + c] = make_uint2(
             pack_bf16(silu_mul(g.x, u.x), silu_mul(g.y, u.y)), pack_bf16(silu_mul(g.z, u.z), silu_mul(g.w, u.w)));
+      } else if (p.out_f32) {
+        static_cast<float*>(p.out)[size_t(r) * p.n_ff + c] = silu_mul(gr[c], ur[c]);
       } else {
         static_cast<uint16_t*>(p.out)[size_t(r) * p.n_ff + c] = bf16_bits(silu_mul(gr[c], ur[c]));
       }
@@ -645,7 +649,7 @@ cudaError_t embed_rows(const EmbedParams& p, cudaStream_t stream) {
   if (p.n_rows < 0 || p.n_embd <= 0 || p.n_vocab <= 0) return cudaErrorInvalidValue;
   if (p.n_rows == 0) return cudaSuccess;
   if (!p.tokens || !p.table || !p.x) return cudaErrorInvalidValue;
-  if (p.n_embd % 8 == 0 && aligned(p.table, 16) && aligned(p.x, 16))
+  if (!p.f32 && p.n_embd % 8 == 0 && aligned(p.table, 16) && aligned(p.x, 16))
     embed_kernel<8><<<rowwise_grid(p.n_rows, p.n_embd / 8), kRowThreads, 0, stream>>>(p);
   else
     embed_kernel<1><<<rowwise_grid(p.n_rows, p.n_embd), kRowThreads, 0, stream>>>(p);
@@ -730,8 +734,8 @@ cudaError_t swiglu_rows(const SwigluParams& p, cudaStream_t stream) {
   if (p.n_rows < 0 || p.n_ff <= 0 || gate_stride < p.n_ff || up_stride < p.n_ff) return cudaErrorInvalidValue;
   if (p.n_rows == 0) return cudaSuccess;
   if (!p.gate || !p.up || !p.out) return cudaErrorInvalidValue;
-  if (p.n_ff % 4 == 0 && gate_stride % 4 == 0 && up_stride % 4 == 0 && aligned(p.gate, 16) && aligned(p.up, 16) &&
-      aligned(p.out, 8))
+  if (!p.out_f32 && p.n_ff % 4 == 0 && gate_stride % 4 == 0 && up_stride % 4 == 0 && aligned(p.gate, 16) &&
+      aligned(p.up, 16) && aligned(p.out, 8))
     swiglu_kernel<4><<<rowwise_grid(p.n_rows, p.n_ff / 4), kRowThreads, 0, stream>>>(p, gate_stride, up_stride);
   else
     swiglu_kernel<1><<<rowwise_grid(p.n_rows, p.n_ff), kRowThreads, 0, stream>>>(p, gate_stride, up_stride);
@@ -779,6 +783,41 @@ cudaError_t sample_rows(const SampleParams& p, cudaStream_t stream) {
 
 void philox4x32_10(const uint32_t counter[4], const uint32_t key[2], uint32_t out[4]) {
   philox_4x32_10(counter, key, out);
+}
+
+namespace {
+
+__device__ __forceinline__ uint32_t mix32(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  x ^= x >> 33;
+  return uint32_t(x);
+}
+
+__global__ void fill_uniform_bf16_kernel(__nv_bfloat16* dst, size_t n, float amp, uint64_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const float u = float(mix32(seed * 0x9e3779b97f4a7c15ull + i) >> 8) * (1.0f / 16777216.0f);  // [0, 1)
+    dst[i] = __float2bfloat16_rn((2.0f * u - 1.0f) * amp);
+  }
+}
+__global__ void fill_f32_kernel(float* dst, size_t n, float v) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    dst[i] = v;
+}
+
+}  // namespace
+
+cudaError_t fill_uniform_bf16(void* dst, size_t n, float amp, uint64_t seed, cudaStream_t stream) {
+  if (!dst) return cudaErrorInvalidValue;
+  fill_uniform_bf16_kernel<<<1024, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(dst), n, amp, seed);
+  return cudaGetLastError();
+}
+cudaError_t fill_f32(float* dst, size_t n, float v, cudaStream_t stream) {
+  if (!dst) return cudaErrorInvalidValue;
+  fill_f32_kernel<<<64, 256, 0, stream>>>(dst, n, v);
+  return cudaGetLastError();
 }
 
 }  // namespace locks::cuda

@@ -49,13 +49,14 @@ enum ModelStatus : uint32_t {
 std::string describe_model_status(uint32_t status);
 
 // ----------------------------------------------------------------------------------------------
-/// Token embedding: x[r] = float(table[tokens[r]]). A token outside [0, n_vocab) gives a row of NaN
+/// Token embedding: x[r] = float(table[tokens[r]]) (bf16, or float32 with f32). A token outside [0, n_vocab) gives a row of NaN
 /// and kStatusBadToken (the table is not read).
 /// Launch contract: grid (column blocks, min(n_rows, 65535)) x 256 threads; 16-byte loads where
 /// n_embd % 8 == 0 and table and x are 16-byte aligned.
 struct EmbedParams {
   const int32_t* tokens = nullptr;  // [n_rows]
-  const void* table = nullptr;      // [n_vocab][n_embd] bf16, row-major
+  const void* table = nullptr;      // [n_vocab][n_embd] bf16 (float32 with f32), row-major
+  bool f32 = false;
   int n_vocab = 0;
   int n_embd = 0;
   int n_rows = 0;
@@ -156,7 +157,7 @@ struct AppendKvParams {
 cudaError_t append_kv(const AppendKvParams& p, cudaStream_t stream);
 
 // ----------------------------------------------------------------------------------------------
-/// SwiGLU: out[r][i] = bf16(g / (1 + expf(-g)) * up[r][i]) with g = gate[r][i], in float32 as the
+/// SwiGLU: out[r][i] = bf16(g / (1 + expf(-g)) * up[r][i]) (float32 with out_f32) with g = gate[r][i], in float32 as the
 /// CPU computes it (expf and an IEEE division). gate and up may be the two halves of one fused
 /// [n_rows][2 n_ff] GEMM output (gate = base, up = base + n_ff, both strides 2 n_ff).
 /// Launch contract: grid (column blocks, min(n_rows, 65535)) x 256 threads.
@@ -167,7 +168,8 @@ struct SwigluParams {
   int up_stride = 0;            // 0: n_ff
   int n_rows = 0;
   int n_ff = 0;
-  void* out = nullptr;  // out [n_rows][n_ff] bf16
+  void* out = nullptr;  // out [n_rows][n_ff] bf16 (float32 with out_f32)
+  bool out_f32 = false;
 };
 cudaError_t swiglu_rows(const SwigluParams& p, cudaStream_t stream);
 
@@ -239,6 +241,12 @@ struct SampleParams {
   uint32_t* status = nullptr;       // nullable
 };
 cudaError_t sample_rows(const SampleParams& p, cudaStream_t stream);
+
+// ----------------------------------------------------------------------------------------------
+/// Benchmark weights: dst[i] = bf16((2u - 1) * amp), u uniform in [0, 1) from a hash of (seed, i);
+/// fill_f32: dst[i] = v. Grid-stride loops.
+cudaError_t fill_uniform_bf16(void* dst, size_t n, float amp, uint64_t seed, cudaStream_t stream);
+cudaError_t fill_f32(float* dst, size_t n, float v, cudaStream_t stream);
 
 /// The generator of sample_rows, on the host (tests check it against Random123's known answers):
 /// Philox-4x32-10 of counter words c[0..3] under key k[0..1].

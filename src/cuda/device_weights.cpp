@@ -1,8 +1,9 @@
 // Weight upload (host float32 -> device bf16) and random weights for benchmarks.
 #include "device_weights.h"
 
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
+#include <cuda_runtime_api.h>
+
+#include <cmath>
 
 #include <cstring>
 #include <stdexcept>
@@ -12,6 +13,7 @@
 #include <fmt/format.h>
 
 #include "locks/quant.h"
+#include "model_ops.h"
 
 namespace locks::cuda {
 
@@ -121,26 +123,6 @@ class Uploader {
   std::vector<uint16_t> stage_;
 };
 
-__device__ __forceinline__ uint32_t mix32(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdull;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ull;
-  x ^= x >> 33;
-  return uint32_t(x);
-}
-
-__global__ void fill_uniform_bf16(__nv_bfloat16* dst, size_t n, float amp, uint64_t seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    const float u = float(mix32(seed * 0x9e3779b97f4a7c15ull + i) >> 8) * (1.0f / 16777216.0f);  // [0, 1)
-    dst[i] = __float2bfloat16_rn((2.0f * u - 1.0f) * amp);
-  }
-}
-__global__ void fill_value_f32(float* dst, size_t n, float v) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    dst[i] = v;
-}
-
 }  // namespace
 
 size_t DeviceWeights::bytes_for(const LlamaHparams& hp, bool tied_output, WeightType type) {
@@ -186,10 +168,9 @@ DeviceWeights DeviceWeights::random(const LlamaHparams& hp, uint64_t seed, bool 
   const size_t E = hp.n_embd, HD = hp.head_dim, F = hp.n_ff;
   uint64_t s = seed;
   auto fill = [&](const void* p, size_t n, size_t n_in) {
-    fill_uniform_bf16<<<1024, 256>>>(static_cast<__nv_bfloat16*>(const_cast<void*>(p)), n,
-                                     std::sqrt(3.0f / float(n_in)), ++s);
+    check(fill_uniform_bf16(const_cast<void*>(p), n, std::sqrt(3.0f / float(n_in)), ++s, nullptr), "random weights");
   };
-  auto ones = [&](const float* p, size_t n) { fill_value_f32<<<64, 256>>>(const_cast<float*>(p), n, 1.0f); };
+  auto ones = [&](const float* p, size_t n) { check(fill_f32(const_cast<float*>(p), n, 1.0f, nullptr), "norms"); };
   fill(w.tok_embd, size_t(hp.n_vocab) * E, 3);  // unit-variance embeddings
   if (!tied_output) fill(w.output, size_t(hp.n_vocab) * E, E);
   ones(w.output_norm, E);

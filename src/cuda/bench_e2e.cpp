@@ -1,5 +1,5 @@
 // `locks bench --device cuda --e2e`: whole models on the GPU, dense against LOCKS (bench.h).
-#include <cuda_runtime.h>
+#include <cuda_runtime_api.h>
 
 #include <chrono>
 #include <cmath>
@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "bench_util.cuh"
+#include "bench_util.h"
 #include "cuda_forward.h"
 #include "locks/cuda/bench.h"
 
@@ -50,7 +50,7 @@ LlamaHparams hparams_of(const E2eShape& s, int n_ctx) {
 // first lets the host enqueue the step before the device reaches it.
 double time_step(CudaForward& fwd, const LlamaHparams& hp, const ForwardStep& step, Timer& t) {
   cudaStream_t s = fwd.stream();
-  bench::spin_kernel<<<1, 1, 0, s>>>(300000);
+  bench::spin(300000, s);
   ck(cudaEventRecord(t.a, s), "record");
   llama_forward(fwd, hp.n_layer, step);
   ck(cudaEventRecord(t.b, s), "record");
@@ -84,7 +84,7 @@ int run_e2e_bench(const E2eOptions& o) {
     std::vector<double> us;
     for (int r = 0; r < 8; ++r) {
       ck(cudaEventRecord(t.a, s), "record");
-      bench::read_kernel<<<prop.multiProcessorCount * 8, 512, 0, s>>>(a.as<uint4>(), bytes / 16, sink.as<uint32_t>());
+      bench::read_all(a.p, bytes, sink.as<uint32_t>(), prop.multiProcessorCount * 8, s);
       ck(cudaEventRecord(t.b, s), "record");
       ck(cudaEventSynchronize(t.b), "read");
       if (r >= 2) us.push_back(t.elapsed_us());
@@ -171,9 +171,7 @@ int run_e2e_bench(const E2eOptions& o) {
         // Synthetic KV for every sequence: ctx - 7 tokens (a partial recent page), all layers.
         for (int b = 0; b < B; ++b) cache.extend(b, ctx - 7, s);
         const size_t pool_elems = size_t(cache.n_pages_pool()) * hp.n_head_kv * 16 * hp.head_dim;
-        bench::fill_kv_kernel<<<prop.multiProcessorCount * 16, 256, 0, s>>>(
-            static_cast<uint16_t*>(cache.k_pool()), static_cast<uint16_t*>(cache.v_pool()),
-            pool_elems * hp.n_layer, hp.head_dim, 16 * hp.head_dim, true, uint32_t(ctx + B));
+        bench::fill_kv(cache.k_pool(), cache.v_pool(), pool_elems * hp.n_layer, hp.head_dim, true, uint32_t(ctx + B), s);
         {  // Alg. 1 on every full page of every sequence, all layers in one launch
           std::vector<int32_t> full;
           for (int b = 0; b < B; ++b) {

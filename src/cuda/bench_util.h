@@ -1,9 +1,7 @@
-// Shared by the GPU benchmarks (bench_cuda.cu, bench_e2e.cu): device buffers, timing, synthetic KV.
+// Shared by the GPU benchmarks (bench_cuda.cu, bench_e2e.cpp): device buffers, timing, synthetic KV.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
+#include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -54,32 +52,13 @@ inline double median(std::vector<double> v) {
   return n == 0 ? 0.0 : n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-__device__ __forceinline__ uint32_t hash32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7feb352du;
-  x ^= x >> 15;
-  x *= 0x846ca68bu;
-  x ^= x >> 16;
-  return x;
-}
-// Approximately standard normal (sum of 4 uniforms, variance-corrected).
-__device__ __forceinline__ float hnormal(uint32_t seed) {
-  float s = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) s += float(hash32(seed * 4u + uint32_t(i)) >> 8) * (1.0f / 16777216.0f);
-  return (s - 2.0f) * 1.7320508f;
-}
-
 // Keys: per (page, head) a direction (scale 2) plus noise 0.5 (the spectra of real pages: a few
-// dominant directions); values: noise.
-__global__ void fill_kv_kernel(uint16_t* k, uint16_t* v, size_t n_elems, int head_dim, int page_elems_per_head,
-                               bool bf16, uint32_t seed);
-
+// dominant directions); values: noise. n_elems of k and of v, f16 or bf16.
+void fill_kv(void* k, void* v, size_t n_elems, int head_dim, bool bf16, uint32_t seed, cudaStream_t stream);
 // One thread waiting `ns` nanoseconds of the device clock: the host enqueues the timed work before
 // the device reaches it, so the time is the device's alone.
-__global__ void spin_kernel(uint64_t ns);
-
-// Plain read: every byte once with 16-byte loads; a data-dependent store keeps it alive.
-__global__ void read_kernel(const uint4* src, size_t n, uint32_t* sink);
+void spin(uint64_t ns, cudaStream_t stream);
+// Plain read of `bytes` (a multiple of 16) with 16-byte loads; `sink` keeps it alive.
+void read_all(const void* src, size_t bytes, uint32_t* sink, int grid, cudaStream_t stream);
 
 }  // namespace locks::cuda::bench

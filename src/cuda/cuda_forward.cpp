@@ -1,7 +1,7 @@
 // ForwardOps on CUDA (cuda_forward.h).
 #include "cuda_forward.h"
 
-#include <cuda_runtime.h>
+#include <cuda_runtime_api.h>
 
 #include <cmath>
 #include <stdexcept>
@@ -10,7 +10,6 @@
 
 #include "causal_attention.h"
 #include "model_ops.h"
-#include "rope_append.h"
 
 namespace locks::cuda {
 
@@ -26,7 +25,7 @@ void check_cuda(cudaError_t e, const char* what) {
 
 // Byte offsets of the step buffers inside one allocation.
 struct BufferLayout {
-  size_t tokens, x, xn, qkv, q, att, att_bf, gate_up, ffn, logits, inv_freq, status, total = 0;
+  size_t tokens, x, xn, kv, q, att, att_bf, gate_up, ffn, logits, inv_freq, status, total = 0;
   BufferLayout(const LlamaHparams& hp, int rows, int seqs, size_t act) {
     const size_t R = rows, E = hp.n_embd, HD = hp.head_dim, NH = hp.n_head, NKV = hp.n_head_kv, F = hp.n_ff;
     auto take = [&](size_t bytes) {
@@ -37,7 +36,7 @@ struct BufferLayout {
     tokens = take(R * 4);
     x = take(R * E * 4);
     xn = take(R * E * act);
-    qkv = take(R * (NH + 2 * NKV) * HD * 4);
+    kv = take(R * 2 * NKV * HD * 4);
     q = take(R * NH * HD * 4);
     att = take(R * NH * HD * 4);
     att_bf = take(act == 4 ? 0 : R * NH * HD * 2);
@@ -82,7 +81,7 @@ CudaForward::CudaForward(std::shared_ptr<const DeviceWeights> weights, const Eng
   tokens_ = reinterpret_cast<int32_t*>(base + lay.tokens);
   x_ = reinterpret_cast<float*>(base + lay.x);
   xn_ = base + lay.xn;
-  qkv_ = reinterpret_cast<float*>(base + lay.qkv);
+  kv_ = reinterpret_cast<float*>(base + lay.kv);
   q_ = reinterpret_cast<float*>(base + lay.q);
   att_ = reinterpret_cast<float*>(base + lay.att);
   att_in_ = f32_ ? static_cast<void*>(att_) : static_cast<void*>(base + lay.att_bf);
@@ -278,32 +277,49 @@ void CudaForward::rmsnorm(int il, NormWeight which) {
 }
 
 void CudaForward::qkv(int il) {
-  gemm(xn_, w_->layers[il].w_qkv, qkv_, rows_, (hp_.n_head + 2 * hp_.n_head_kv) * hp_.head_dim, hp_.n_embd, false);
+  // Q and K|V as two products into their own buffers: the attention kernels read q rows unstrided.
+  const int E = hp_.n_embd, nq = hp_.n_head * hp_.head_dim, nkv = 2 * hp_.n_head_kv * hp_.head_dim;
+  const void* w = w_->layers[il].w_qkv;
+  const size_t el = f32_ ? 4 : 2;
+  gemm(xn_, w, q_, rows_, nq, E, false);
+  gemm(xn_, static_cast<const char*>(w) + size_t(nq) * E * el, kv_, rows_, nkv, E, false);
 }
 
 void CudaForward::rope_append(int il) {
   const PagedKvView kv = cache_->view(il);
+  const int NKV = hp_.n_head_kv, HD = hp_.head_dim;
   if (on(kPartOther)) {
-  RopeAppendParams p;
-  p.qkv = qkv_;
-  p.q = q_;
-  p.k_pool = const_cast<void*>(kv.k);
-  p.v_pool = const_cast<void*>(kv.v);
-  p.dtype = cfg_.kv_dtype;
-  p.row_seq = cache_->row_seq();
-  p.row_pos = cache_->row_pos();
-  p.page_list = cache_->page_list_device();
-  p.page_stride = cache_->config().max_pages_per_seq;
-  p.n_pages_pool = cache_->n_pages_pool();
-  p.n_rows = rows_;
-  p.n_head = hp_.n_head;
-  p.n_head_kv = hp_.n_head_kv;
-  p.head_dim = hp_.head_dim;
-  p.n_rot = hp_.n_rot;
-  p.mode = RopeMode::kNormal;
-  p.inv_freq = inv_freq_;
-  p.status = status_;
-  check(cuda::rope_append(p, stream_), "RoPE + append");
+    RopeParams r;
+    r.q = q_;
+    r.n_head_q = hp_.n_head;
+    r.k = kv_;
+    r.n_head_k = NKV;
+    r.k_stride = 2 * NKV * HD;
+    r.n_rows = rows_;
+    r.head_dim = HD;
+    r.n_rot = hp_.n_rot;
+    r.mode = RopeMode::kNormal;
+    r.positions = cache_->row_pos();
+    r.inv_freq = inv_freq_;
+    check(rope_rows(r, stream_), "RoPE");
+    AppendKvParams a;
+    a.k = kv_;
+    a.v = kv_ + size_t(NKV) * HD;
+    a.k_stride = a.v_stride = 2 * NKV * HD;
+    a.n_rows = rows_;
+    a.n_head_kv = NKV;
+    a.head_dim = HD;
+    a.row_seq = cache_->row_seq();
+    a.row_pos = cache_->row_pos();
+    a.batch = kv.batch;
+    a.indptr = kv.indptr;
+    a.indices = kv.indices;
+    a.n_pages_pool = kv.n_pages_pool;
+    a.k_pool = const_cast<void*>(kv.k);
+    a.v_pool = const_cast<void*>(kv.v);
+    a.dtype = cfg_.kv_dtype;
+    a.status = status_;
+    check(append_kv(a, stream_), "K/V append");
   }
   // Alg. 1 on the pages this step filled (decode: one entry per sequence, -1 where none filled).
   const int n_filled = decode_ ? (graph_slot_fill_ ? cache_->n_filled() : 0) : cache_->n_filled();
@@ -311,8 +327,8 @@ void CudaForward::rope_append(int il) {
     SummaryBuildParams s;
     s.k = kv.k;
     s.dtype = cfg_.kv_dtype;
-    s.n_head_kv = hp_.n_head_kv;
-    s.head_dim = hp_.head_dim;
+    s.n_head_kv = NKV;
+    s.head_dim = HD;
     s.pages = cache_->filled();
     s.n_pages = n_filled;
     s.n_pages_pool = cache_->n_pages_pool();
