@@ -139,7 +139,7 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device, bool balance) {
   // Balanced chunks (ScoreParams::balance_chunks): with equal lengths the same chunks as above; a
   // sequence longer than the others may take up to a grid's worth per KV head, so the statistics
   // hold that many. H200, 1M tokens, 4 KV heads, a ragged batch of 8 (1M, 512K, ... 8K tokens):
-  // see docs/RESULTS_CUDA.md (eleventh session).
+  // see docs/results-cuda.md (eleventh session).
   if (p.score_balance)
     p.score_chunks =
         std::max(p.score_equal_chunks, std::min(score_resident / sh.n_head_kv, div_up(sh.max_pages, 32)));

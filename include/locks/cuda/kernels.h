@@ -106,7 +106,7 @@ struct SummaryBuildParams {
   float* tails = nullptr;      // [n_head_kv][n_pages_pool], nullable
   uint32_t* status = nullptr;  // nullable: kStatusBadPageId (an id outside the pool: skipped), kStatusBadKeys
   /// Several layers in one launch: a decoded page fills in every layer at once, and the launch is
-  /// latency-bound, so L layers cost about what one does (H200: see docs/RESULTS_CUDA.md). Layer l
+  /// latency-bound, so L layers cost about what one does (H200: see docs/results-cuda.md). Layer l
   /// reads K at k + l * k_layer_stride elements and writes records + l * records_layer_stride bytes,
   /// tails + l * tails_layer_stride floats; the same page ids in every layer. With n_layers > 1 the
   /// strides must keep the layers apart (k_layer_stride >= n_pages_pool * n_head_kv * 16 * head_dim, or
