@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "eval/eval_report.h"
+#include "eval/eval_internal.h"
 #include "locks/eval_runner.h"
 #include "locks/model.h"
 #include "locks/needle_task.h"

@@ -7,7 +7,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "locks/read_input.h"
+#include "locks/text_corpus.h"
 
 namespace {
 

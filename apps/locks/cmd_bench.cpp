@@ -16,10 +16,10 @@
 #include "locks/attention.h"
 #include "locks/generate.h"
 #include "locks/model.h"
-#include "locks/paths.h"
-#include "locks/read_input.h"
 #include "locks/selector.h"
 #include "locks/session.h"
+#include "locks/text_corpus.h"
+#include "paths.h"
 // ---- CUDA (`--device cuda`) ----
 #ifdef LOCKS_WITH_CUDA
 #include "locks/cuda/bench.h"

@@ -8,8 +8,8 @@
 
 #include "commands.h"
 #include "locks/eval_runner.h"
-#include "locks/paths.h"
 #include "locks/selector.h"
+#include "paths.h"
 
 namespace locks::cli {
 
@@ -98,17 +98,17 @@ Runner add_eval(CLI::App& app) {
       if (std::error_code ec;
           std::filesystem::exists(cfg.out_dir, ec) && !std::filesystem::is_directory(cfg.out_dir, ec))
         throw std::invalid_argument(fmt::format("output directory '{}': not a directory", cfg.out_dir));
-      std::vector<std::pair<std::string, std::string>> configs;  // (options key, spec as given)
+      std::vector<SelectorSpec> specs;
       for (const auto& s : cfg.selectors) {
         // Variant values checked now (page size 16, head_dim 64 of the reference format), not after
         // the model and corpus load.
         const SelectorSpec spec = parse_selector_spec(s, cfg.summary);
         // Two spellings of one configuration ("locks" and "locks/r=8") would run it twice.
-        const std::string key = selector_options_key(spec.name, spec.opts);
-        for (const auto& [k, given] : configs)
-          if (k == key)
-            throw std::invalid_argument(fmt::format("selectors '{}' and '{}' are the same configuration", given, s));
-        configs.emplace_back(key, s);
+        for (const SelectorSpec& other : specs)
+          if (same_selector(other.name, other.opts, spec.name, spec.opts))
+            throw std::invalid_argument(
+                fmt::format("selectors '{}' and '{}' are the same configuration", other.label, s));
+        specs.push_back(spec);
         try {
           spec.opts.summary.validate(16, 64);
         } catch (const std::invalid_argument& e) {

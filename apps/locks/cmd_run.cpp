@@ -13,8 +13,8 @@
 #include "commands.h"
 #include "locks/generate.h"
 #include "locks/model.h"
-#include "locks/paths.h"
-#include "locks/read_input.h"
+#include "locks/text_corpus.h"
+#include "paths.h"
 
 namespace locks::cli {
 
@@ -89,16 +89,15 @@ int run(const RunArgs& a) {
                                         prompt.size(), min_tokens, min_tokens == 1 ? "" : "s", a.max_tokens, n_ctx,
                                         n_ctx == 1 ? "" : "s"));
 
-  // Options a selector does not use would silently not apply (eval refuses them in a selector spec).
-  auto ignored = [&](bool given, const char* opt, bool applies) {
-    if (given && !applies)
+  // Options a selector does not read would silently not apply (eval refuses them in a selector spec).
+  auto ignored = [&](bool given, const char* opt, SelectorInput input) {
+    if (given && !(selector_inputs(a.selector) & input))
       diag("[locks] warning: {} does not apply to selector '{}': ignored\n", opt, a.selector);
   };
-  const bool summary_selector = a.selector == "locks" || a.selector == "second-moment" || a.selector == "sequence-basis";
-  ignored(a.rank_given, "-r/--rank", summary_selector);
-  ignored(a.basis_bits_given, "--basis-bits", summary_selector);
-  ignored(a.group_rule_given, "--group-rule", a.selector != "full" && a.selector != "streaming");
-  ignored(a.budget_given, "-b/--budget", a.selector != "full");
+  ignored(a.rank_given, "-r/--rank", kInputRank);
+  ignored(a.basis_bits_given, "--basis-bits", kInputBasisBits);
+  ignored(a.group_rule_given, "--group-rule", kInputGroupRule);
+  ignored(a.budget_given, "-b/--budget", kInputBudget);
   for (auto [given, opt] : {std::pair{a.top_p_given, "--top-p"}, std::pair{a.seed_given, "--seed"}})
     if (given && a.temperature == 0.0f)
       diag("[locks] warning: {} does not apply to greedy decoding (-t 0): ignored\n", opt);
@@ -134,13 +133,14 @@ int run(const RunArgs& a) {
   const double ratio = dense_step > 0 ? bytes_step / dense_step : 1.0;
   const double prefill_tps = r.prefill_seconds > 0 ? r.prefill_tokens / r.prefill_seconds : 0.0;
   const double decode_tps = r.decode.seconds > 0 ? r.decode.steps / r.decode.seconds : 0.0;
+  const bool reads_budget = selector_inputs(a.selector) & kInputBudget;
   if (a.json) {
     nlohmann::json j;
     j["text"] = r.text;
     j["prompt_tokens"] = r.prompt_ids.size();
     j["generated_ids"] = r.generated_ids;
     j["selector"] = a.selector;
-    j["budget_tokens"] = a.selector == "full" ? nlohmann::json() : nlohmann::json(a.budget);  // full: every page
+    j["budget_tokens"] = reads_budget ? nlohmann::json(a.budget) : nlohmann::json();  // full: every page
     j["stats"] = {{"prefill_s", r.prefill_seconds},      {"prefill_tokens", r.prefill_tokens},
                   {"prefill_tokens_per_s", prefill_tps}, {"decode_steps", r.decode.steps},
                   {"decode_tokens_per_s", decode_tps},   {"bytes_read_per_step", bytes_step},
@@ -150,7 +150,7 @@ int run(const RunArgs& a) {
   } else {
     std::fputs("\n", stdout);
     std::fflush(stdout);
-    const std::string budget = a.selector == "full" ? std::string("all pages") : fmt::format("{} tokens", a.budget);
+    const std::string budget = reads_budget ? fmt::format("{} tokens", a.budget) : std::string("all pages");
     // No decode step (-n 0 or 1 with no decode tail): no per-step figures to report.
     const std::string decode =
         r.decode.steps == 0
@@ -178,14 +178,15 @@ Runner add_run(CLI::App& app) {
                  "page selector (full = dense, oracle = exact page LSE, locks, baselines)")
       ->check(CLI::Validator(
           [](std::string& name) -> std::string {
-            return name == "global-basis" ? "global-basis needs an offline calibration pass: it runs in `locks eval` only"
-                                          : "";
+            return selector_inputs(name) & kInputGlobalBasis
+                       ? name + " needs an offline calibration pass: it runs in `locks eval` only"
+                       : "";
           },
-          "", "not global-basis"))
+          "", "no global basis"))
       ->check(CLI::IsMember([] {
-        // global-basis needs an offline calibration pass: it is available in `locks eval`.
+        // A selector of a calibrated global basis needs an offline calibration pass (`locks eval`).
         auto n = selector_names();
-        n.erase(std::remove(n.begin(), n.end(), std::string("global-basis")), n.end());
+        std::erase_if(n, [](const std::string& name) { return selector_inputs(name) & kInputGlobalBasis; });
         return n;
       }()))
       ->capture_default_str();

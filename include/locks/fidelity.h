@@ -8,6 +8,7 @@
 
 #include "locks/kv_cache.h"
 #include "locks/selector.h"
+#include "locks/session.h"
 
 namespace locks {
 
@@ -36,22 +37,25 @@ struct FidelityStats {
   Means mean() const;
 };
 
-/// Observes decode steps of a Session (Session::set_probe) and accumulates FidelityStats against
-/// exact attention. It reads every key of every page, so it is for evaluation only.
-class FidelityProbe {
+/// Observes decode steps of a Session (Session::set_observer) and accumulates FidelityStats against
+/// exact attention. It reads every key of every page (a dense pass per step), so it is for
+/// evaluation only.
+class FidelityProbe final : public DecodeObserver {
  public:
   /// carrier_positions: token positions whose pages are carrier pages (e.g. the asked needle).
   explicit FidelityProbe(std::vector<int32_t> carrier_positions = {}, double carrier_mass_threshold = 0.05)
       : carrier_positions_(std::move(carrier_positions)), threshold_(carrier_mass_threshold) {}
 
-  bool enabled = true;  // the session skips the probe (and its cost) while false
+  /// The session skips the probe (and its cost) while disabled; enabled from construction.
+  bool enabled() const override { return enabled_; }
+  void set_enabled(bool on) { enabled_ = on; }
   /// Token positions whose pages count as carrier pages from now on.
   void set_carriers(std::vector<int32_t> positions) { carrier_positions_ = std::move(positions); }
 
   /// One (layer, KV head) of a decode step: q [G][d], the selector's result (with log_mass when it
   /// scores pages), the budget it had. Thread-safe for distinct kv_head values.
   void observe(const PagedKvCache& cache, const KvSequence& seq, const Selector& selector, int il, int kv_head,
-               const float* q, int n_group, int budget_pages, const Selection& sel);
+               const float* q, int n_group, int budget_pages, const Selection& sel) override;
 
   /// Totals over every observation, and per (layer, KV head) ([il * n_head_kv + h]).
   FidelityStats total() const;
@@ -59,6 +63,7 @@ class FidelityProbe {
   void reset() { per_head_.clear(); }
 
  private:
+  bool enabled_ = true;
   std::vector<int32_t> carrier_positions_;
   double threshold_;
   std::vector<FidelityStats> per_head_;

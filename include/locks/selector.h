@@ -25,6 +25,31 @@ enum class GroupRule {
 std::string group_rule_name(GroupRule r);
 GroupRule parse_group_rule(const std::string& s);  // "share-average" | "max" | "mass-sum"
 
+/// What a selector is made from; each selector reads some of it (selector_inputs).
+struct SelectorOptions {
+  SummaryFormat summary;  // LOCKS summary format (rank, precisions)
+  GroupRule group_rule = GroupRule::kShareAverage;
+  // Baselines. `centroid` stores its mean at summary.centroid_bits; `second-moment` uses
+  // summary.rank / basis_bits / centroid_bits; the shared-basis scopes store centroids and
+  // coefficients at summary.centroid_bits / coef_bits.
+  int shared_rank = 0;  // rho of sequence-basis / global-basis; 0 = matched bytes (matched_bytes_rank)
+  std::shared_ptr<const GlobalBasis> global_basis;  // required by "global-basis" (calibrate_global_basis)
+};
+
+/// The inputs a selector reads, as bits (selector_inputs): the SelectorOptions fields it is made
+/// from and the budget. An input a selector does not read cannot change it: same_selector ignores
+/// it, `locks run` warns that it does not apply, `locks eval` refuses it in a selector spec.
+enum SelectorInput : unsigned {
+  kInputBudget = 1u << 0,        // SelectionRequest::budget_pages (`full` attends every page)
+  kInputRank = 1u << 1,          // summary.rank
+  kInputBasisBits = 1u << 2,     // summary.basis_bits
+  kInputCoefBits = 1u << 3,      // summary.coef_bits
+  kInputCentroidBits = 1u << 4,  // summary.centroid_bits
+  kInputGroupRule = 1u << 5,     // group_rule
+  kInputSharedRank = 1u << 6,    // shared_rank
+  kInputGlobalBasis = 1u << 7,   // global_basis (an offline calibration pass: `locks eval` only)
+};
+
 /// One selection request: the GQA group of KV head `kv_head` in layer `il` of sequence `seq`.
 struct SelectionRequest {
   const float* q = nullptr;  // [n_group][head_dim] float32, post-RoPE
@@ -83,10 +108,10 @@ class Selector {
     bound_ = cfg;
     has_bound_ = true;
   }
-  /// The options it was made with, as make_selector describes them (selector_options_key), so that
-  /// Session::fork(cfg, prepared) can refuse a prepared selector made with other options.
-  const std::string& options_key() const { return options_key_; }
-  void bind_options_key(std::string key) { options_key_ = std::move(key); }
+  /// The options it was made with, those it does not read at their defaults (make_selector sets
+  /// them), so that Session::fork(cfg, prepared) can refuse a selector made with other options.
+  const SelectorOptions& options() const { return options_; }
+  void bind_options(SelectorOptions opts) { options_ = std::move(opts); }
 
  protected:
   /// What on_pages_filled and select do once they have checked their arguments.
@@ -97,17 +122,7 @@ class Selector {
   void check_cache(const char* what, const PagedKvCache& cache) const;
   KvCacheConfig bound_;
   bool has_bound_ = false;
-  std::string options_key_;
-};
-
-struct SelectorOptions {
-  SummaryFormat summary;                       // LOCKS summary format (rank, precisions)
-  GroupRule group_rule = GroupRule::kShareAverage;
-  // Baselines. `centroid` stores its mean at summary.centroid_bits; `second-moment` uses
-  // summary.rank / basis_bits / centroid_bits; the shared-basis scopes store centroids and
-  // coefficients at summary.centroid_bits / coef_bits.
-  int shared_rank = 0;  // rho of sequence-basis / global-basis; 0 = matched bytes (matched_bytes_rank)
-  std::shared_ptr<const GlobalBasis> global_basis;  // required by "global-basis" (calibrate_global_basis)
+  SelectorOptions options_;
 };
 
 /// Construct a selector by name: "full", "oracle", "locks", and the baselines "quest", "centroid",
@@ -120,9 +135,16 @@ std::unique_ptr<Selector> make_selector(const std::string& name, const KvCacheCo
                                         const SelectorOptions& opts = {});
 /// Names accepted by make_selector.
 std::vector<std::string> selector_names();
-/// A selector's name and options in one string ("locks r8/int4/int8/int8 share-average rho0 ..."):
-/// equal keys make selectors of equal metadata and selections (Selector::options_key).
-std::string selector_options_key(const std::string& name, const SelectorOptions& opts);
+/// The inputs selector `name` reads (SelectorInput bits); 0 for a name make_selector does not know.
+unsigned selector_inputs(const std::string& name);
+/// Whether (name_a, a) and (name_b, b) make the same selector: the same name and equal values of
+/// every option that selector reads (the global basis by identity), so equal metadata and
+/// selections (Session::fork(cfg, prepared), `locks eval`'s check for two spellings of one).
+bool same_selector(const std::string& name_a, const SelectorOptions& a, const std::string& name_b,
+                   const SelectorOptions& b);
+/// The name and the options it reads, for messages: "locks r=8 basis=int4 coef=int8 centroid=int8
+/// share-average", "sequence-basis ... rho=0", "full".
+std::string describe_selector(const std::string& name, const SelectorOptions& opts);
 
 /// The shared selection rule (Alg. 2 lines 6-9): given page log-mass estimates
 /// `log_mass[g * n_pages + j]` for the G heads and every page of the sequence, form per-head

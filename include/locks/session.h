@@ -8,7 +8,6 @@
 #include <string>
 #include <vector>
 
-#include "locks/fidelity.h"
 #include "locks/kv_cache.h"
 #include "locks/model.h"
 #include "locks/selector.h"
@@ -37,6 +36,22 @@ struct DecodeTotals {
   double seconds = 0;           // whole decode steps
 };
 
+/// Sees the selections of a Session's decode steps (Session::set_observer): what an evaluation
+/// measures against exact attention (FidelityProbe). The session calls it from its worker threads.
+class DecodeObserver {
+ public:
+  virtual ~DecodeObserver() = default;
+  /// Read once per layer of a decode step: while false the session neither calls observe() nor
+  /// asks the selector for its page estimates (Selection::log_mass), so it pays nothing.
+  virtual bool enabled() const { return true; }
+  /// One (layer `il`, KV head `kv_head`) of a decode step, after attention: the cache and sequence
+  /// (the step's token appended), the selector, q [n_group][head_dim] float32 post-RoPE, the budget
+  /// in pages and the selection (with log_mass when the selector scores pages). Called concurrently
+  /// for distinct kv_head values of one layer: an implementation must be thread-safe for those.
+  virtual void observe(const PagedKvCache& cache, const KvSequence& seq, const Selector& selector, int il, int kv_head,
+                       const float* q, int n_group, int budget_pages, const Selection& sel) = 0;
+};
+
 class Session {
  public:
   /// Throws std::invalid_argument for a bad budget (not a multiple of the page size or < 2 pages),
@@ -55,7 +70,7 @@ class Session {
   /// fork(cfg) with a clone of `prepared` (prepare_selector(cfg) on this session, same selector and
   /// options; the sequence unchanged since) as the new selector; same result, no metadata build.
   /// Throws std::invalid_argument when `prepared` is not the selector cfg.selector names, or was
-  /// made with other options (Selector::options_key).
+  /// made with other values of the options it reads (same_selector).
   Session fork(const SessionConfig& cfg, const Selector& prepared) const;
   Session& operator=(const Session&) = delete;
 
@@ -76,9 +91,9 @@ class Session {
   const Selector& selector() const { return *selector_; }
   const LlamaModel& model() const { return model_; }
   int budget_pages() const { return budget_pages_; }
-  /// Attach an evaluation probe that sees every (layer, KV head) selection of later decode steps
-  /// (nullptr detaches). Not owned; must outlive its use. Costs a dense pass per step.
-  void set_probe(FidelityProbe* probe) { probe_ = probe; }
+  /// Attach an observer that sees every (layer, KV head) selection of later decode steps (nullptr
+  /// detaches). Not owned; must outlive its use. Copies and forks start without one.
+  void set_observer(DecodeObserver* observer) { observer_ = observer; }
 
  private:
   void forward(std::span<const int32_t> tokens, bool decode_step);
@@ -95,7 +110,7 @@ class Session {
   std::vector<double> inv_freq_;  // RoPE: base^(-2i/n_rot)
   std::vector<float> logits_;
   DecodeTotals totals_;
-  FidelityProbe* probe_ = nullptr;
+  DecodeObserver* observer_ = nullptr;
 };
 
 }  // namespace locks

@@ -1,14 +1,16 @@
-// The Markdown summary and SVG plots of `locks eval`.
-#include "eval/eval_report.h"
-
+// `locks eval`, reporting: results.csv as rows finish, then the Markdown summary, locality.csv and
+// the SVG plots.
 #include <array>
 #include <cmath>
 #include <filesystem>
 #include <limits>
+#include <stdexcept>
+#include <system_error>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "eval/eval_internal.h"
 #include "locks/svg_plot.h"
 
 namespace locks {
@@ -16,6 +18,14 @@ namespace locks {
 namespace {
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+constexpr const char* kCsvHeader =
+    "family,length,context,task_seed,selector,budget,correct,answer_tokens,answer_tokens_correct,kl_vs_full,"
+    "decode_steps,bytes_read_per_step,dense_bytes_per_step,read_ratio,prompt_tokens,decode_seconds,lse_mae,"
+    "logit_mae,spearman,coverage,worst_head_coverage,oracle_coverage,output_rel_err,carrier_retention,"
+    "carrier_retention_any,carrier_obs";
+
+std::string csv_num(double v) { return std::isnan(v) ? "" : fmt::format("{:.6g}", v); }
 
 // Rows of one (family, length, selector, budget); budget-free selectors match every budget.
 template <class F>
@@ -37,6 +47,55 @@ std::string plot_path(const std::string& dir, Plot plot, const std::string& what
 }
 
 }  // namespace
+
+ResultsCsv::ResultsCsv(const std::string& out_dir) : path_(out_dir + "/results.csv") {
+  std::error_code ec;
+  std::filesystem::create_directories(out_dir, ec);
+  if (!std::filesystem::is_directory(out_dir))
+    throw std::invalid_argument(fmt::format("output directory '{}': {}", out_dir,
+                                            std::filesystem::exists(out_dir) ? std::string("not a directory")
+                                            : ec                             ? ec.message()
+                                                                             : std::string("cannot create it")));
+  remove_eval_report(out_dir);  // a reused directory: nothing of the previous run's report
+  csv_.open(path_, std::ios::trunc);
+  if (!csv_) throw std::runtime_error(fmt::format("cannot write '{}'", path_));
+  csv_ << kCsvHeader << "\n";
+  flush();
+}
+
+void ResultsCsv::flush() {
+  if (!(csv_ << std::flush)) throw std::runtime_error(fmt::format("cannot write '{}' (disk full?)", path_));
+}
+
+void ResultsCsv::close() {
+  csv_.close();
+  if (!csv_) throw std::runtime_error(fmt::format("cannot write '{}' (disk full?)", path_));
+}
+
+std::string ResultsCsv::csv_row(const EvalRow& r) {
+  return fmt::format("{},{},{},{},{},{},{},{},{},{},{},{:.0f},{:.0f},{:.6f},{},{:.4f},{},{},{},{},{},{},{},{},{},{}",
+                     r.family, r.length, r.context, r.task_seed, r.selector, r.budget, r.correct ? 1 : 0,
+                     r.answer_tokens, r.answer_tokens_correct, csv_num(r.kl_vs_full), r.decode_steps,
+                     r.bytes_read_per_step, r.dense_bytes_per_step, r.read_ratio, r.prompt_tokens, r.decode_seconds,
+                     csv_num(r.lse_mae), csv_num(r.logit_mae), csv_num(r.spearman), csv_num(r.coverage),
+                     csv_num(r.worst_head_coverage), csv_num(r.oracle_coverage), csv_num(r.output_rel_err),
+                     csv_num(r.carrier_retention), csv_num(r.carrier_retention_any), csv_num(r.carrier_obs));
+}
+
+void finish_eval_report(const EvalConfig& cfg, ResultsCsv& csv, const std::vector<EvalRow>& rows,
+                        const std::map<int, std::vector<LocalityResult>>& locality, const std::vector<int>& loc_ranks) {
+  std::string loc = "length,rank,page_local,sequence,global\n";
+  for (const auto& [len, results] : locality) {
+    for (size_t k = 0; k < loc_ranks.size(); ++k) {
+      const LocalityMean m = mean_locality(results, k);
+      loc += fmt::format("{},{},{:.6f},{:.6f},{:.6f}\n", len, loc_ranks[k], m.page_local, m.sequence, m.global);
+    }
+  }
+  write_text_file(cfg.out_dir + "/locality.csv", loc);
+  csv.close();
+  write_text_file(cfg.out_dir + "/summary.md", eval_summary_markdown(cfg, rows));
+  write_eval_plots(cfg, rows, locality, loc_ranks);
+}
 
 std::string eval_summary_markdown(const EvalConfig& cfg, const std::vector<EvalRow>& rows) {
   std::string out = fmt::format(

@@ -113,7 +113,7 @@ Session::Session(const Session& o)
       inv_freq_(o.inv_freq_),
       logits_(o.logits_),
       totals_(o.totals_),
-      probe_(nullptr) {}
+      observer_(nullptr) {}
 
 int Session::check_budget(int budget_tokens, int B) {
   if (budget_tokens < 2 * B || budget_tokens % B != 0)
@@ -132,9 +132,10 @@ Session Session::fork(const SessionConfig& cfg, const Selector& prepared) const 
   if (prepared.name() != cfg.selector)
     throw std::invalid_argument(fmt::format("fork: the prepared selector is '{}', the config names '{}'",
                                             prepared.name(), cfg.selector));
-  if (const std::string want = selector_options_key(cfg.selector, cfg.selector_opts); prepared.options_key() != want)
+  if (!same_selector(prepared.name(), prepared.options(), cfg.selector, cfg.selector_opts))
     throw std::invalid_argument(fmt::format("fork: the prepared selector was made as '{}', the config asks for '{}'",
-                                            prepared.options_key(), want));
+                                            describe_selector(prepared.name(), prepared.options()),
+                                            describe_selector(cfg.selector, cfg.selector_opts)));
   return fork_with(cfg, prepared.clone());
 }
 
@@ -228,6 +229,7 @@ void Session::forward(std::span<const int32_t> tokens, bool decode_step) {
       paged_prefill_attention(cache_, il, seq_, pos0, T, q.data(), NH, scale, att.data(), first_query);
     } else {
       // Alg. 2 per GQA group: select pages from the group's queries, then exact attention over them.
+      const bool observed = observer_ && observer_->enabled();
       std::vector<Selection> sel(NKV);
       const auto t_sel = Clock::now();
       parallel_for(NKV, [&](int h) {
@@ -238,7 +240,7 @@ void Session::forward(std::span<const int32_t> tokens, bool decode_step) {
         req.kv_head = h;
         req.seq = &seq_;
         req.budget_pages = budget_pages_;
-        req.want_estimates = probe_ && probe_->enabled;
+        req.want_estimates = observed;
         if (seq_.n_pages() <= budget_pages_) {
           // The budget covers every page: attention is dense, nothing to score or read twice.
           sel[h].pages.resize(seq_.n_pages());
@@ -256,9 +258,9 @@ void Session::forward(std::span<const int32_t> tokens, bool decode_step) {
                                &att[size_t(h) * G * HD], nullptr);
       });
       totals_.attend_seconds += seconds_since(t_att);
-      if (probe_ && probe_->enabled) {
+      if (observed) {
         parallel_for(NKV, [&](int h) {
-          probe_->observe(cache_, seq_, *selector_, il, h, &q[size_t(h) * G * HD], G, budget_pages_, sel[h]);
+          observer_->observe(cache_, seq_, *selector_, il, h, &q[size_t(h) * G * HD], G, budget_pages_, sel[h]);
         });
       }
       for (int h = 0; h < NKV; ++h) {

@@ -1,10 +1,10 @@
-#include "locks/paths.h"
+#include "paths.h"
 
 #include <filesystem>
 #include <vector>
 #include <system_error>
 
-namespace locks {
+namespace locks::cli {
 
 std::string resolve_default_path(const std::string& rel) {
   namespace fs = std::filesystem;
@@ -22,4 +22,4 @@ std::string resolve_default_path(const std::string& rel) {
   return rel;
 }
 
-}  // namespace locks
+}  // namespace locks::cli

@@ -3,7 +3,7 @@
 
 #include <string>
 
-namespace locks {
+namespace locks::cli {
 
 /// Resolve a repository-relative default like "models/locks-ref-a-q8_0.gguf": tried relative to the
 /// current directory, then to the executable's ../.. (build/bin/locks -> repo root), then to the
@@ -11,4 +11,4 @@ namespace locks {
 /// (so the caller's open error names it).
 std::string resolve_default_path(const std::string& rel);
 
-}  // namespace locks
+}  // namespace locks::cli
