@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "locks/math.h"
+#include "locks/quant.h"
 #include "locks/sym_eigen.h"
 
 namespace locks {
@@ -28,77 +29,24 @@ bool valid_bits(int b, bool allow_low) {
 
 std::string bits_name(int b) { return b == 32 ? "f32" : b == 16 ? "bf16" : fmt::format("int{}", b); }
 
-size_t packed_bytes(size_t n, int bits) { return (n * size_t(bits) + 7) / 8; }
+using quant::packed_bytes;
 
-int qmax(int bits) { return (1 << (bits - 1)) - 1; }
-
-uint16_t f32_to_bf16(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  x += 0x7FFFu + ((x >> 16) & 1u);  // round to nearest even
-  return static_cast<uint16_t>(x >> 16);
-}
-float bf16_to_f32(uint16_t h) {
-  uint32_t x = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &x, 4);
-  return f;
-}
-
-// Symmetric quantization of n values with one f16 scale. The scale is rounded to f16 first and the
-// codes computed against the rounded scale, so dequantization reproduces exactly what was chosen.
+// Symmetric quantization of one group into the store's packed layout (quant.h); the f16 scale.
 f16_t quantize_group(const float* x, size_t n, int bits, uint8_t* dst, const char* what) {
+  f16_t scale = 0;
   float amax = 0.0f;
-  for (size_t i = 0; i < n; ++i) amax = std::max(amax, std::abs(x[i]));
-  const int qm = qmax(bits);
-  const float scale_f = amax / float(qm);
-  if (scale_f > 65504.0f)
+  if (!quant::quantize_packed(x, n, bits, dst, scale, amax))
     throw std::invalid_argument(fmt::format("page summary: {} magnitude {} overflows the f16 scale", what, amax));
-  const f16_t scale_h = f32_to_f16(scale_f);
-  const float scale = f16_to_f32(scale_h);
-  const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-  std::memset(dst, 0, packed_bytes(n, bits));
-  const int per_byte = 8 / bits;
-  for (size_t i = 0; i < n; ++i) {
-    int code = static_cast<int>(std::nearbyint(x[i] * inv));
-    code = std::clamp(code, -qm, qm);
-    const uint8_t u = static_cast<uint8_t>(code) & uint8_t((1u << bits) - 1u);
-    dst[i / per_byte] |= static_cast<uint8_t>(u << ((i % per_byte) * bits));
-  }
-  return scale_h;
+  return scale;
 }
-
-void dequantize_group(const uint8_t* src, size_t n, int bits, float scale, float* out) {
-  if (bits == 8) {
-    const int8_t* s = reinterpret_cast<const int8_t*>(src);
-    for (size_t i = 0; i < n; ++i) out[i] = float(s[i]) * scale;
-    return;
-  }
-  if (bits == 4 && n % 2 == 0) {  // the shipped basis format: two sign-extended nibbles per byte
-    for (size_t b = 0; b < n / 2; ++b) {
-      const int8_t v = static_cast<int8_t>(src[b]);
-      out[2 * b] = float(static_cast<int8_t>(static_cast<uint8_t>(v << 4)) >> 4) * scale;
-      out[2 * b + 1] = float(v >> 4) * scale;
-    }
-    return;
-  }
-  const int per_byte = 8 / bits;
-  const int shift_up = 8 - bits;
-  for (size_t i = 0; i < n; ++i) {
-    const uint8_t u = static_cast<uint8_t>(src[i / per_byte] >> ((i % per_byte) * bits));
-    const int8_t code = static_cast<int8_t>(static_cast<uint8_t>(u << shift_up)) >> shift_up;  // sign-extend
-    out[i] = float(code) * scale;
-  }
-}
-
 
 // Sign-extended nibble pairs: byte b -> {code(low nibble), code(high nibble)} as floats, so the
 // int4 basis unpacks with one 8-byte copy per byte instead of shifts per element.
 const std::array<float, 512> kNibbleLut = [] {
   std::array<float, 512> t{};
-  for (int b = 0; b < 256; ++b) {
-    t[2 * b] = float(static_cast<int8_t>(static_cast<uint8_t>(b << 4)) >> 4);
-    t[2 * b + 1] = float(static_cast<int8_t>(static_cast<uint8_t>(b)) >> 4);
+  for (uint32_t b = 0; b < 256; ++b) {
+    t[2 * b] = float(quant::sign_extend(b & 0xfu, 4));
+    t[2 * b + 1] = float(quant::sign_extend(b >> 4, 4));
   }
   return t;
 }();
@@ -374,7 +322,7 @@ void PageSummaryStore::dequant_basis(size_t idx, float* out) const {
   } else {
     const size_t col_bytes = packed_bytes(size_t(d), fmt_.basis_bits);
     for (int k = 0; k < r; ++k)
-      dequantize_group(src + k * col_bytes, d, fmt_.basis_bits, f16_to_f32(basis_scale_[idx * r + k]),
+      quant::dequantize_packed(src + k * col_bytes, d, fmt_.basis_bits, f16_to_f32(basis_scale_[idx * r + k]),
                        out + size_t(k) * d);
   }
 }
@@ -390,13 +338,13 @@ PageSummaryF32 PageSummaryStore::load(int il, int kv_head, int32_t page) const {
   if (fmt_.coef_bits == 32)
     std::memcpy(s.coef.data(), c, size_t(B_) * r * 4);
   else
-    for (int i = 0; i < B_; ++i) dequantize_group(c + size_t(i) * r, r, 8, f16_to_f32(coef_scale_[idx * B_ + i]), &s.coef[size_t(i) * r]);
+    for (int i = 0; i < B_; ++i) quant::dequantize_packed(c + size_t(i) * r, r, 8, f16_to_f32(coef_scale_[idx * B_ + i]), &s.coef[size_t(i) * r]);
   s.centroid.resize(d);
   const uint8_t* m = centroid_.data() + idx * centroid_stride_;
   if (fmt_.centroid_bits == 32)
     std::memcpy(s.centroid.data(), m, size_t(d) * 4);
   else
-    dequantize_group(m, d, 8, f16_to_f32(centroid_scale_[idx]), s.centroid.data());
+    quant::dequantize_packed(m, d, 8, f16_to_f32(centroid_scale_[idx]), s.centroid.data());
   s.tail = tail_[idx];
   return s;
 }
@@ -419,7 +367,7 @@ void PageSummaryStore::score(int il, int kv_head, int32_t page, const float* q, 
   if (fmt_.centroid_bits == 32)
     std::memcpy(mu, m, size_t(d) * 4);
   else
-    dequantize_group(m, d, 8, f16_to_f32(centroid_scale_[idx]), mu);
+    quant::dequantize_packed(m, d, 8, f16_to_f32(centroid_scale_[idx]), mu);
 
   if (fast_path_) {
     // Shipped format: raw codes -> floats, column scales folded in after the dot products.
