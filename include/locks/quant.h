@@ -218,11 +218,12 @@ LOCKS_HD inline int code(float x, float inv, int qm) {
 #endif
 }
 
-/// Quantizes x[0..n) with qm levels each side: scale_out = the f16 scale, then emit(i, code_i) for
-/// i = 0, 1, ..., n - 1. Returns false, emitting nothing, when the scale does not fit f16; amax_out =
-/// max|x_i| either way (for the caller's error message).
+/// Quantizes x[0..n) with qm levels each side (host): scale_out = the f16 scale, then emit(i, code_i)
+/// for i = 0, 1, ..., n - 1. Returns false, emitting nothing, when the scale does not fit f16;
+/// amax_out = max|x_i| either way (for the caller's error message). The device build reduces max|x_i|
+/// over a warp and uses raw_scale / inv_scale / code directly.
 template <class Emit>
-LOCKS_HD inline bool quantize(const float* x, size_t n, int qm, f16_t& scale_out, float& amax_out, Emit&& emit) {
+inline bool quantize(const float* x, size_t n, int qm, f16_t& scale_out, float& amax_out, Emit&& emit) {
   amax_out = abs_max(x, n);
   const float scale_f = raw_scale(amax_out, qm);
   if (scale_f > kF16Max) return false;
