@@ -20,6 +20,10 @@
 #include <string>
 #include <vector>
 
+#include "../src/cuda/ptx.cuh"  // relative: the tool builds with a bare nvcc command line
+
+using namespace locks::cuda::detail;
+
 #define CK(x)                                                                        \
   do {                                                                               \
     cudaError_t e_ = (x);                                                            \
@@ -67,30 +71,6 @@ __global__ void __launch_bounds__(128) chunk_ldg(const uint8_t* recs, int chunk,
   if (acc == 0x9e3779b9u) sink[0] = acc;
 }
 
-__device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem));
-}
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done)
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-}
-__device__ __forceinline__ void bulk(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
-}
-
 // MODE 0: cp.async 16 B pieces; 1: one bulk copy per record; 2: one bulk copy per octet.
 template <int MODE, int STAGES>
 __global__ void __launch_bounds__(128) chunk_smem(const uint8_t* recs, int chunk, int n_rec, uint32_t* sink) {
@@ -102,7 +82,7 @@ __global__ void __launch_bounds__(128) chunk_smem(const uint8_t* recs, int chunk
   const uint32_t mine_s = uint32_t(__cvta_generic_to_shared(mine));
   if (lane == 0)
     for (int s = 0; s < STAGES; ++s) mbar_init(uint32_t(__cvta_generic_to_shared(&bars[warp][s])), 1);
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  fence_mbarrier_init();
   __syncwarp();
   uint32_t phase = 0, acc = 0;
   auto issue = [&](int o, int s) {
@@ -112,15 +92,15 @@ __global__ void __launch_bounds__(128) chunk_smem(const uint8_t* recs, int chunk
     const uint32_t bar = uint32_t(__cvta_generic_to_shared(&bars[warp][s]));
     if constexpr (MODE == 0) {
       for (int j = lane; j < 8 * CPR; j += 32) cp_async16(dst + j * 16, src + j * 16);
-      asm volatile("cp.async.commit_group;\n" ::);
+      cp_async_commit();
     } else if constexpr (MODE == 1) {
-      if (lane == 0) mbar_expect(bar, 8 * REC);
+      if (lane == 0) mbar_arrive_expect_tx(bar, 8 * REC);
       __syncwarp();
-      if (lane < 8) bulk(dst + lane * REC, src + lane * REC, REC, bar);
+      if (lane < 8) bulk_copy(dst + lane * REC, src + lane * REC, REC, bar);
     } else {
       if (lane == 0) {
-        mbar_expect(bar, 8 * REC);
-        bulk(dst, src, 8 * REC, bar);
+        mbar_arrive_expect_tx(bar, 8 * REC);
+        bulk_copy(dst, src, 8 * REC, bar);
       }
     }
   };
@@ -130,7 +110,7 @@ __global__ void __launch_bounds__(128) chunk_smem(const uint8_t* recs, int chunk
     const int s = it % STAGES;
     issue(o + (STAGES - 1) * kWarps, (it + STAGES - 1) % STAGES);
     if constexpr (MODE == 0) {
-      asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 1));
+      cp_async_wait<STAGES - 1>();
     } else {
       mbar_wait(uint32_t(__cvta_generic_to_shared(&bars[warp][s])), (phase >> s) & 1u);
       phase ^= 1u << s;
@@ -143,7 +123,7 @@ __global__ void __launch_bounds__(128) chunk_smem(const uint8_t* recs, int chunk
     }
     __syncwarp();
   }
-  if constexpr (MODE == 0) asm volatile("cp.async.wait_group 0;\n" ::);
+  if constexpr (MODE == 0) cp_async_wait<0>();
   if (acc == 0x9e3779b9u) sink[0] = acc;
 }
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""torch SDPA dense decode on issue 3's shapes (cuDNN and flash backends, bf16), for ratios against
+"""torch SDPA dense decode on the benchmark's shapes (cuDNN and flash backends, bf16), for ratios against
 `locks bench --device cuda` measured on the same GPU in the same device call.
 
 Decode of one token per sequence with GQA: the G query heads of a KV head are G query rows against

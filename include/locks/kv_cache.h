@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "locks/fp16.h"
+#include "locks/quant.h"
 #include "locks/zeroed_array.h"
 
 namespace locks {

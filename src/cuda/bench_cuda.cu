@@ -67,11 +67,11 @@ __global__ void fill_kv_kernel(uint16_t* k, uint16_t* v, size_t n_elems, int hea
     const float kx = base + 0.5f * hnormal(uint32_t(i) * 3u + seed + 1u);
     const float vx = hnormal(uint32_t(i) * 5u + seed + 7u);
     if (bf16) {
-      k[i] = __bfloat16_as_ushort(__float2bfloat16_rn(kx));
-      v[i] = __bfloat16_as_ushort(__float2bfloat16_rn(vx));
+      k[i] = f32_to_bf16(kx);
+      v[i] = f32_to_bf16(vx);
     } else {
-      k[i] = __half_as_ushort(__float2half_rn(kx));
-      v[i] = __half_as_ushort(__float2half_rn(vx));
+      k[i] = f32_to_f16(kx);
+      v[i] = f32_to_f16(vx);
     }
   }
 }
@@ -115,12 +115,10 @@ struct Timer {
 
 // One thread waiting `ns` nanoseconds of the device clock.
 __global__ void spin_kernel(uint64_t ns) {
-  uint64_t t0, t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  const uint64_t t0 = global_timer_ns();
   do {
     __nanosleep(1000);
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  } while (t - t0 < ns);
+  } while (global_timer_ns() - t0 < ns);
 }
 
 // Before every timed run: a 200 us wait on the device, so that the host has enqueued the timed work

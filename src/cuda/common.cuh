@@ -1,17 +1,7 @@
-// Device helpers shared by the LOCKS CUDA kernels: warp-level tensor-core MMAs (mma.sync, sm_80+),
-// f16/bf16 packing with hi/lo splitting, int8 -> f16 unpacking, the last-CTA-done pattern,
-// and programmatic-dependent-launch (PDL) helpers.
-//
-// Fragment conventions (PTX ISA, mma.m16n8k16 with .row.col), for lane = 4 * g + t:
-//   A (16 x 16): a[0] = (row g,   cols 2t, 2t+1)   a[1] = (row g+8, cols 2t, 2t+1)
-//                a[2] = (row g,   cols 2t+8, 2t+9) a[3] = (row g+8, cols 2t+8, 2t+9)
-//   B (16 x 8):  b[0] = (rows 2t, 2t+1, col g)     b[1] = (rows 2t+8, 2t+9, col g)
-//   C (16 x 8):  c[0], c[1] = (row g, cols 2t, 2t+1)   c[2], c[3] = (row g+8, cols 2t, 2t+1)
-// Within a 32-bit register the lower-indexed element is the low half.
-//
-// The K dimension of a product is a sum, so any permutation of it applied to both A and B gives the
-// same result. The kernels use that freedom to let every lane read its operands with 16-byte loads
-// straight from memory (no shared-memory staging): see the per-kernel "K permutation" comments.
+// Device helpers shared by the LOCKS kernels: f16/bf16 packing with hi/lo splitting, the
+// bad-input checks, the batch balancing of grids, the last-CTA-done and ready-flag handoffs,
+// log-sum-exp merges, and the host-side launch attributes. The PTX wrappers and operand unpacking
+// live in ptx.cuh, the number formats in locks/quant.h.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -22,26 +12,14 @@
 #include <cstdint>
 
 #include "locks/cuda/kernels.h"
+#include "locks/quant.h"
+#include "ptx.cuh"
 
 namespace locks::cuda::detail {
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr unsigned kFull = 0xffffffffu;
-
-// ---------------------------------------------------------------------------------------------
-// Tensor-core MMAs (f32 accumulate).
-__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, __half) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
-                                          __nv_bfloat16) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 // ---------------------------------------------------------------------------------------------
 // Packing two floats into a 16-bit pair (x in the low half). `hi` is the rounded pair, `lo` the
@@ -60,7 +38,6 @@ struct Pack<__half> {
     hi = *reinterpret_cast<uint32_t*>(&h);
     lo = *reinterpret_cast<uint32_t*>(&l);
   }
-  static __device__ __forceinline__ float to_float(uint16_t bits) { return __half2float(__ushort_as_half(bits)); }
 };
 template <>
 struct Pack<__nv_bfloat16> {
@@ -74,33 +51,12 @@ struct Pack<__nv_bfloat16> {
     hi = *reinterpret_cast<uint32_t*>(&h);
     lo = *reinterpret_cast<uint32_t*>(&l);
   }
-  static __device__ __forceinline__ float to_float(uint16_t bits) {
-    return __bfloat162float(__ushort_as_bfloat16(bits));
-  }
 };
 
 // One stored KV element (raw bits) to float, by runtime dtype.
 __device__ __forceinline__ float kv_to_float(uint16_t bits, bool bf16) {
-  return bf16 ? __uint_as_float(uint32_t(bits) << 16) : __half2float(__ushort_as_half(bits));
+  return bf16 ? bf16_to_f32(bits) : f16_to_f32(bits);
 }
-
-// ---------------------------------------------------------------------------------------------
-// Code unpacking (exact): every int8 code is an integer that f16 represents exactly.
-__device__ __forceinline__ uint32_t hsub2_bits(uint32_t a, uint32_t b) {
-  __half2 r = __hsub2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
-  return *reinterpret_cast<uint32_t*>(&r);
-}
-
-/// Four signed int8 codes (bytes b0..b3) to two f16 pairs: lo = (b0, b1), hi = (b2, b3).
-__device__ __forceinline__ void unpack_int8x4(uint32_t w, uint32_t& lo, uint32_t& hi) {
-  const uint32_t u = w ^ 0x80808080u;  // c -> c + 128
-  const uint32_t k1152 = 0x64806480u;  // (1152, 1152) = 1024 + 128
-  lo = hsub2_bits(__byte_perm(u, 0x64646464u, 0x4140u), k1152);
-  hi = hsub2_bits(__byte_perm(u, 0x64646464u, 0x4342u), k1152);
-}
-
-__device__ __forceinline__ float h2f_lo(uint32_t w) { return __half2float(__ushort_as_half(uint16_t(w & 0xffffu))); }
-__device__ __forceinline__ float h2f_hi(uint32_t w) { return __half2float(__ushort_as_half(uint16_t(w >> 16))); }
 
 // ---------------------------------------------------------------------------------------------
 // Bad device-side input (kernels.h): the status word collects DecodeStatus bits.
@@ -182,24 +138,6 @@ __device__ __forceinline__ bool find_slot_range(int slot, int B, Width width, in
   return false;
 }
 
-// ---------------------------------------------------------------------------------------------
-// Programmatic dependent launch: wait for the previous kernel in the stream before reading its
-// results (no-op when the kernel was launched without the PDL attribute). Data that a previous
-// kernel may write (the selection, the page table, K of fresh pages) is never read through the
-// non-coherent path (__ldg): such loads count as reads of memory that no one writes while the kernel
-// runs, so the compiler may hoist them above the wait (it did, with the selection, once the sparse
-// attention instance knew its list kind at compile time). __ldcg reads at the L2 instead.
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
 /// Last-CTA-done: every CTA of a group calls this once after writing its results (all threads).
 /// Returns true in exactly one CTA, the last to arrive, which then sees all the group's writes; that
 /// CTA also resets the counter to 0 so the next launch (or graph replay) starts clean.
@@ -231,16 +169,10 @@ __device__ __forceinline__ void publish_ready(uint32_t* flag) {
   }
 }
 constexpr unsigned long long kReadyTimeoutNs = 10'000'000'000ull;
-__device__ __forceinline__ unsigned long long global_timer_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
-  return t;
-}
 __device__ __forceinline__ void wait_ready(const uint32_t* flag, uint32_t want) {
   const unsigned long long t0 = global_timer_ns();
   for (;;) {
-    uint32_t v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
+    const uint32_t v = ld_acquire_gpu(flag);
     if (int(v - want) >= 0) return;
     if (global_timer_ns() - t0 > kReadyTimeoutNs) {
       printf("locks: a kernel waited 10 s for results published by the previous one (its ready counter %u, "

@@ -23,6 +23,7 @@
 #include <cooperative_groups.h>
 
 #include "common.cuh"
+#include "kernels_internal.h"
 
 namespace locks::cuda {
 
@@ -141,14 +142,9 @@ __device__ __forceinline__ SplitRange split_range_of_sequence(const AttentionPar
 }
 
 
-__device__ __forceinline__ uint32_t u4w(const uint4& v, int w) {
-  return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
-}
-
 // Which pages a launch attends: an instance per kind, so that dense instances carry no sparse-list
 // code and the unbalanced ones keep their split and sequence as launch indices (G = 16 runs at its
-// 255-register limit: one instance for balanced and plain splits ran its page loop ~7% slower on the
-// H200).
+// 255-register limit, where one instance for both split kinds slows the page loop).
 enum ListKind : int {
   kSelectedPages = 0,  // sparse: the selected list
   kAllPages = 1,       // dense, n_splits per sequence
@@ -371,11 +367,11 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) {
       const int i = kk >> 1, hh = kk & 1;
-      mma_16816(sc0, aq[kk], u4w(kr[0][i], 2 * hh), u4w(kr[0][i], 2 * hh + 1), T());
-      mma_16816(sc1, aq[kk], u4w(kr[1][i], 2 * hh), u4w(kr[1][i], 2 * hh + 1), T());
+      mma_16816(sc0, aq[kk], u4_word(kr[0][i], 2 * hh), u4_word(kr[0][i], 2 * hh + 1), T());
+      mma_16816(sc1, aq[kk], u4_word(kr[1][i], 2 * hh), u4_word(kr[1][i], 2 * hh + 1), T());
       if constexpr (ROWS == 2) {
-        mma_16816(sl0, aq_lo[kk], u4w(kr[0][i], 2 * hh), u4w(kr[0][i], 2 * hh + 1), T());
-        mma_16816(sl1, aq_lo[kk], u4w(kr[1][i], 2 * hh), u4w(kr[1][i], 2 * hh + 1), T());
+        mma_16816(sl0, aq_lo[kk], u4_word(kr[0][i], 2 * hh), u4_word(kr[0][i], 2 * hh + 1), T());
+        mma_16816(sl1, aq_lo[kk], u4_word(kr[1][i], 2 * hh), u4_word(kr[1][i], 2 * hh + 1), T());
       }
     }
     if constexpr (ROWS == 2) {
@@ -439,8 +435,8 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
     for (int nt = 0; nt < NT; ++nt) {
       const int u = nt >> 3, e = nt & 7;
       const uint32_t sel_bytes = (e & 1) ? 0x7632u : 0x5410u;
-      const uint32_t b0 = __byte_perm(u4w(vr[0][u], e >> 1), u4w(vr[1][u], e >> 1), sel_bytes);
-      const uint32_t b1 = __byte_perm(u4w(vr[2][u], e >> 1), u4w(vr[3][u], e >> 1), sel_bytes);
+      const uint32_t b0 = __byte_perm(u4_word(vr[0][u], e >> 1), u4_word(vr[1][u], e >> 1), sel_bytes);
+      const uint32_t b1 = __byte_perm(u4_word(vr[2][u], e >> 1), u4_word(vr[3][u], e >> 1), sel_bytes);
       o[nt][0] *= corr[0];
       o[nt][1] *= corr[0];
       o[nt][2] *= corr[ROWS - 1];

@@ -6,19 +6,10 @@
 #include <string>
 
 #include "common.cuh"
+#include "kernels_internal.h"
 #include "record_layout.h"
 
 namespace locks::cuda {
-
-// Defined beside their kernels.
-cudaError_t prepare_select(int log_mass_stride);
-int share_ctas_per_sm(int group, bool merge);
-int share_pages_per_cta();
-int attention_max_splits();
-int attention_ctas_per_sm(int head_dim, int group, KvType dtype, bool sparse);
-int attention_max_active_clusters(int head_dim, KvType dtype, int size);
-int score_ctas_per_sm(int head_dim, int group);
-int select_max_active_clusters(int group, bool merge, int size, int pages_per_cta);
 
 namespace {
 
@@ -93,7 +84,7 @@ std::string device_description(int device) {
   int rt = 0, drv = 0;
   cudaRuntimeGetVersion(&rt);
   cudaDriverGetVersion(&drv);
-  char buf[256];
+  char buf[1024];  // room for the longest: a 255-character name and the widest numbers
   snprintf(buf, sizeof buf, "%s (sm_%d%d), %d SMs, %.0f GiB, L2 %d MiB, CUDA runtime %d.%d, driver %d.%d", prop.name,
            prop.major, prop.minor, prop.multiProcessorCount, double(prop.totalGlobalMem) / (1 << 30),
            prop.l2CacheSize >> 20, rt / 1000, (rt % 1000) / 10, drv / 1000, (drv % 1000) / 10);
@@ -121,16 +112,13 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device, bool balance) {
   const long bh = long(sh.batch) * sh.n_head_kv;
   const int max_splits = attention_max_splits();
 
-  // Score pass: persistent CTAs over work items of a multiple of 32 pages (4 warps x 8 pages). With
-  // equal lengths (and balanced chunks, below, for any lengths) sized
-  // so that every CTA gets at most one item while batch * n_head_kv fits in one wave (beyond that,
-  // one item per (sequence, KV head), walked round-robin): a CTA's second item would start with an
-  // empty pipeline and wait a full (loaded) memory latency, which costs far more than an idle CTA
-  // (measured on the H200 at 1M tokens, 4 KV heads: 256-page items, ~2 per CTA: 91 us; 512-page
-  // items, one per CTA: 88 us). Every (sequence, KV head) gets the same number of chunks, as many as
-  // fit in one wave, so the chunks are equal up to the 32-page rounding (before: chunks sized from the
-  // total, whose last chunk per pair was short: at 1M tokens, 4 KV heads, batch 8, 11 chunks of 5792
-  // pages and one of 1824, where 12 of 5472 do: score 481 -> 465 us).
+  // Score pass (docs/cuda-design.md): persistent CTAs over work items of a multiple of 32 pages (4
+  // warps x 8 pages). With equal lengths (and balanced chunks, below, for any lengths) sized so that
+  // every CTA gets at most one item while batch * n_head_kv fits in one wave (beyond that, one item
+  // per (sequence, KV head), walked round-robin): a CTA's second item would start with an empty
+  // pipeline and wait a full (loaded) memory latency, which costs far more than an idle CTA. Every
+  // (sequence, KV head) gets the same number of chunks, as many as fit in one wave, so the chunks are
+  // equal up to the 32-page rounding (no short last chunk per pair).
   const int score_resident = p.n_sm * score_ctas_per_sm(sh.head_dim, sh.group);
   const long chunks_per_bh = std::max<long>(1, score_resident / bh);
   p.score_chunk_pages = std::max(32, int(align_up(size_t(div_up(long(sh.max_pages), chunks_per_bh)), 32)));
@@ -138,8 +126,7 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device, bool balance) {
   p.score_equal_chunks = p.score_chunks;
   // Balanced chunks (ScoreParams::balance_chunks): with equal lengths the same chunks as above; a
   // sequence longer than the others may take up to a grid's worth per KV head, so the statistics
-  // hold that many. H200, 1M tokens, 4 KV heads, a ragged batch of 8 (1M, 512K, ... 8K tokens):
-  // see docs/RESULTS_CUDA.md (eleventh session).
+  // hold that many (ragged batches: docs/cuda-design.md).
   if (p.score_balance)
     p.score_chunks =
         std::max(p.score_equal_chunks, std::min(score_resident / sh.n_head_kv, div_up(sh.max_pages, 32)));
@@ -147,15 +134,12 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device, bool balance) {
   p.log_mass_stride = int(align_up(size_t(sh.max_pages), 8));
   // Many chunks per (sequence, KV head), i.e. small batches: the share kernel merges lse_total from
   // the chunk statistics, so that the score pass does not end with its last CTA's merge chain while
-  // the device idles (H200, batch 1: step 48.5 -> 46.0 us at 128K tokens, 2 KV heads; 89.1 -> 86.9
-  // at 1M; 43.5 -> 42.0 at 128K, 4 KV heads). With few chunks (batch 8, 12 chunks) that merge is
-  // short and the share kernel's own costs more (1M tokens, 4 KV heads: 524 -> 530 us).
+  // the device idles. With few chunks (batch 8: 12) that merge is short and the share kernel's own
+  // costs more.
   p.defer_lse_total = p.score_equal_chunks >= 32;
   // Select from the share kernel's per-CTA candidate lists while that kernel fits in one wave: then
   // its extra pass (a local threshold, the lists) runs beside the others, and select reads ~1/8 of
-  // the keys (H200, two runs each: steps 1M tokens, 4 KV heads, batch 2 160.6-161.4 -> 158.1-158.3 us;
-  // 2 KV heads batch 1 84.4-85.2 -> 82.4). In several waves it costs more than it saves (4 KV heads,
-  // batch 8: 525.7-526.1 -> 528.2-530.7 us).
+  // the keys. In several waves it costs more than it saves.
   {
     const long share_ctas = bh * div_up(long(p.log_mass_stride), share_pages_per_cta());
     p.select_candidates = share_ctas <= long(p.n_sm) * share_ctas_per_sm(sh.group, p.defer_lse_total);
@@ -164,17 +148,13 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device, bool balance) {
   // bin's keys cross a cluster per (sequence, KV head) through distributed shared memory instead of
   // global memory and a second kernel. It starts on each pair as the score pass completes it
   // (select_per_pair(), below), instead of after the whole pass, where the pass's last CTA of a pair merges
-  // lse_total anyway (no deferral): then the selection of early pairs overlaps the pass's tail. H200,
-  // 1M tokens, 4 KV heads, two runs each: batch 4 283.0-284.3 -> 279.0-279.2 us, batch 8 531.8-532.5
-  // -> 525.7-526.0. With the merge deferred (batch 1-2) the per-item counter this needs cost 0.5-2.5
-  // us, so those keep the PDL wait.
+  // lse_total anyway (no deferral): then the selection of early pairs overlaps the pass's tail. With
+  // the merge deferred (batch 1-2) the per-item counter this needs costs more than it saves, so those
+  // keep the PDL wait.
   // The most CTAs per cluster, from one per 4096 pages (one round of loads) down to one per
-  // kClusterSelectPages (eight rounds), such that every cluster fits at once (H200, against the two
-  // kernels where only 4096 was tried: Llama 256K batch 8 284 -> 277 us, 1M tokens 2 KV heads batch 4
-  // 234 -> 224). Started per pair, clusters that do not fit at once would only wait for resources, but
-  // the second wave cost more than more CTAs per cluster saved, except in one shape (1M tokens, two
-  // runs each, one call: 2 KV heads batch 8, 8 CTAs per cluster 415.3-415.6 us against 402.7-403.6 all
-  // at once; 4 KV heads batch 8, 4 CTAs 511.9-512.9 against 3 all at once 517.7-520.0). Where none
+  // kClusterSelectPages (eight rounds), such that every cluster fits at once: started per pair,
+  // clusters that do not fit at once would only wait for resources, and a second wave costs more
+  // than more CTAs per cluster save (in all but one measured shape: docs/cuda-design.md). Where none
   // fits, the two kernels run.
   for (int clusters = std::min(kSelectClusterMaxCtas, div_up(p.log_mass_stride, 4096));
        clusters >= div_up(p.log_mass_stride, kClusterSelectPages) && !p.select_cluster_pages; --clusters) {
@@ -187,9 +167,8 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device, bool balance) {
 
   // Attention: one wave of CTAs; at least one page per warp; at most max_splits splits.
   // Sparse attention with G > 8 runs as two CTAs of <= 8 heads per split: twice the CTAs, each with
-  // half the MMA chain per page (measured on the H200, kv2 G = 16: 17.2 -> 14.4 us at 128K batch 1,
-  // 22.6 -> 20.0 us at 1M batch 8). Dense keeps one CTA per group: there the second half's K/V
-  // reads did not come from the L2 (2000 -> 2860 us at 1M batch 8).
+  // half the MMA chain per page. Dense keeps one CTA per group: there the second half's K/V reads
+  // would not come from the L2.
   p.sparse_group_halves = sh.group > 8;
   const long slots = long(p.n_sm) * attention_ctas_per_sm(sh.head_dim, sh.group, sh.dtype, false);
   // The longest list select_pages can write: the score pass accepts up to log_mass_stride pages
@@ -200,8 +179,7 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device, bool balance) {
         long(p.n_sm) * attention_ctas_per_sm(sh.head_dim, sh.group, sh.dtype, true) / (p.sparse_group_halves ? 2 : 1);
     const int want = std::max(1, int(sparse_slots / bh));
     // At least 8 pages per split (2 per warp); 4 for group halves, whose CTAs run half the MMA chain
-    // per page (H200, kv2 G = 16, batch 1: sparse attention 14.5 -> 12.9 us at 1M and 128K; G <= 8 at 4
-    // was not clearly faster).
+    // per page (G <= 8 gains nothing clear from 4).
     const int min_pps = p.sparse_group_halves ? 4 : 8;
     int pps = std::max(min_pps, int(align_up(size_t(div_up(sel, want)), 4)));
     pps = std::max(pps, div_up(sel, max_splits));

@@ -16,11 +16,7 @@
 
 #include <cstddef>
 
-#ifdef __CUDACC__
-#define LOCKS_HD __host__ __device__
-#else
-#define LOCKS_HD
-#endif
+#include "locks/quant.h"  // LOCKS_HD; the codes' formats
 
 namespace locks::cuda::layout {
 

@@ -30,6 +30,7 @@
 #include <cmath>
 
 #include "common.cuh"
+#include "kernels_internal.h"
 #include "record_layout.h"
 
 namespace locks::cuda {
@@ -42,98 +43,11 @@ namespace L = layout;
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 
-__device__ __forceinline__ uint32_t u4_word(const uint4& v, int w) {
-  return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
-}
-
-__device__ __forceinline__ void mma_s8u8(int (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.u8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void mma_s8s8(int (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-// L2 policies. The records stream through once per step, so they go first (evict_first); the
-// log-masses this pass writes stay (evict_last) for the share kernel that reads them next. H200, 1M
-// tokens, 4 KV heads, batch 1: step 106 -> 99 us (score 75 -> 71 us, select 19.4 -> 16.5 us).
-__device__ __forceinline__ uint64_t l2_evict_first() {
-  uint64_t pol;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
-  return pol;
-}
-__device__ __forceinline__ uint64_t l2_evict_last() {
-  uint64_t pol;
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(pol));
-  return pol;
-}
-__device__ __forceinline__ void st_with_policy(float* gmem, float v, uint64_t pol) {
-  asm volatile("st.global.L2::cache_hint.f32 [%0], %1, %2;\n" ::"l"(gmem), "f"(v), "l"(pol) : "memory");
-}
-__device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem, bool valid, uint64_t pol) {
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(smem), "l"(gmem),
-               "r"(valid ? 16 : 0), "l"(pol));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-// Ring-slot barriers: one arrival (the filling warp's lane 0, which also arms the phase with the
-// octet's byte count) plus the bytes of its records' bulk copies complete a phase; the consumer waits
-// on the phase's parity.
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
-}
-// The ring's copies: one bulk copy (the TMA unit) per 832-byte record. Against 52 16-byte cp.async
-// pieces per record (records start at 64-byte offsets, so most pieces straddle lines), 16 instructions
-// fewer per octet and lane; H200, 1M tokens, 4 KV heads, batch 1: score 71.5 -> 69 us.
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar, uint64_t pol) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n" ::"r"(
-          dst),
-      "l"(src), "r"(bytes), "r"(bar), "l"(pol)
-      : "memory");
-}
-// The use number last issued into a ring slot, published by the issuing warp, awaited by the consumer.
-// Atomics (not st.release / ld.acquire, which order the same way) so that compute-sanitizer racecheck
-// sees synchronisation rather than a racing plain store and load.
-__device__ __forceinline__ void publish_use(uint32_t addr, uint32_t v) {
-  asm volatile("atom.release.cta.shared::cta.exch.b32 _, [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
-}
-__device__ __forceinline__ uint32_t read_use(uint32_t addr) {
-  uint32_t v;
-  asm volatile("atom.acquire.cta.shared::cta.or.b32 %0, [%1], 0;\n" : "=r"(v) : "r"(addr) : "memory");
-  return v;
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n .reg .pred done;\n"
-      "WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n @!done bra WAIT_%=;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-__device__ __forceinline__ uint32_t pack_s8x4(int a, int b, int c, int d) {
-  return (uint32_t(a) & 0xffu) | ((uint32_t(b) & 0xffu) << 8) | ((uint32_t(c) & 0xffu) << 16) | (uint32_t(d) << 24);
-}
-
-// Two octet pipelines, chosen by measurement on the H200 (1M tokens, 4 and 2 KV heads):
+// Two octet pipelines, each the faster one for its groups (docs/cuda-design.md, the score pass):
 //  - G <= 8 (memory-bound): a ring of octet slots shared by the CTA's warps, as many slots as fit
 //    beside the static shared memory at MB CTAs per SM (228 KB per SM, 1 KB reserved per CTA), at
-//    most 16; d = 128: 10 slots, so ~6 octets stay in flight while the 4 warps compute 4. Against
-//    two private stages per warp: 84 -> 78 us at batch 1, 567 -> 508 us at batch 8.
-//  - G = 16 (twice the compute per record): two private stages per warp; the ring (8, 12 or 15
-//    slots) was 4-12% slower there.
+//    most 16; d = 128: 10 slots, so ~6 octets stay in flight while the 4 warps compute 4.
+//  - G = 16 (twice the compute per record): two private stages per warp.
 template <int GT>
 __host__ __device__ constexpr bool use_ring() {
   return GT <= 8;
@@ -162,7 +76,7 @@ __device__ __forceinline__ int balanced_chunks(const ScoreParams& p, int n, long
   return proportional_slots(n, total, spare, min(p.n_chunks, max(1, (n + 31) / 32)));
 }
 // One sequence needs no page counts: a = 1 + spare (capped; chunks past its pages are empty items), so
-// batch 1 starts without the page-table round trip (H200, 1M tokens, 4 KV heads: +1 us otherwise).
+// batch 1 starts without the page-table round trip.
 __device__ __forceinline__ int single_sequence_chunks(const ScoreParams& p, int spare) {
   return min(p.n_chunks, max(1, 1 + spare));
 }
@@ -206,6 +120,9 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
   constexpr int R = ring_slots<D, GT, MB>();
   static_assert(R > kWarps, "the ring must hold more octets than the warps compute");
   extern __shared__ __align__(16) uint8_t ring[];        // [R][8][REC]; private stages: slot 2 warp + (k & 1)
+  // Ring: a slot's phase completes with one arrival (the filling warp's lane 0, which arms it with the
+  // octet's byte count) plus the bytes of its records' bulk copies, one per record; slot_use holds the
+  // use last issued into the slot (published by the filling warp, awaited by the consumer).
   __shared__ __align__(8) uint64_t full[kRing ? R : 1];  // ring: slot barriers
   __shared__ uint32_t slot_use[kRing ? R : 1];           // ring: the use whose copy was issued last per slot
   __shared__ float q_s[GT][D];  // the partial page's exact scores only
@@ -228,13 +145,12 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
   if (kRing && threadIdx.x < R) {
     mbar_init(full_s + 8 * threadIdx.x, 1);
     slot_use[threadIdx.x] = ~0u;
-    // The bulk copies complete bytes on these barriers through the async proxy: make the
-    // initialisation visible to it.
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    fence_mbarrier_init();  // the bulk copies complete bytes on these barriers through the async proxy
   }
   __syncthreads();
   uint32_t uses = 0;  // octets this CTA has put through the ring: octet i of an item is use uses + i
 
+  // The records stream through once per step; the log-masses stay in the L2 for the share kernel.
   const uint64_t rec_policy = l2_evict_first(), lm_policy = l2_evict_last();
   pdl_wait();
   pdl_launch_dependents();
@@ -326,7 +242,7 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
     const int n_oct = min(oct_begin + chunk_pages / 8, (n_scored + 7) / 8) - oct_begin;
     // A page id outside the pool is never read (G <= 8: not copied; G > 8: a zero record) and makes the
     // sequence's lse_total NaN. It is checked where the copy is issued, long after its load (a check at
-    // the load stalled every octet on it: 1M kv4 score 70 -> 77 us).
+    // the load would stall every octet on it).
     bool bad_id = false;
     auto load_ids = [&](int i) -> int32_t {  // lane p < 8: page id of page p of octet i (0 past the end)
       const int pos = (oct_begin + i) * 8 + (lane & 7);
@@ -441,8 +357,7 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
     if (new_q) {
       cur_bh = long(bh);
       // ---- q of the group -> int8 limbs (A fragments) and per-row constants, all in registers: the
-      // quad of lanes 4g..4g+3 holds row g whole (H200, 1M tokens, 4 KV heads, batch 1: the version
-      // through shared memory, with a warp per row and three barriers, cost ~4 us of the pass). ----
+      // quad of lanes 4g..4g+3 holds row g whole (no shared-memory round trip, no barriers). ----
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) {
         float amax = 0.0f;
@@ -581,7 +496,8 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
         }
 #pragma unroll
         for (int kk = 0; kk < KS; ++kk) {
-          const uint32_t lo = bw[kk] & 0x0f0f0f0fu, hi = (bw[kk] >> 4) & 0x0f0f0f0fu;
+          uint32_t lo, hi;
+          unpack_u4x8(bw[kk], lo, hi);
           mma_s8u8(acc1, aq[kk], lo, hi);
           if constexpr (ROWS == 2) mma_s8u8(acc2, aq2[kk], lo, hi);
         }
@@ -786,9 +702,8 @@ cudaError_t launch_score(const ScoreParams& p, cudaStream_t stream) {
   return cudaLaunchKernelEx(&cfg, score_kernel<D, GT, MB>, p);
 }
 
-// G <= 8 runs 3 CTAs per SM (at most 168 registers; 159 at d = 128, no spills): measured on the H200
-// at 1M tokens, 4 KV heads, faster than 4 CTAs capped at 128 registers (84 vs 88 us), which spill.
-// G > 8 needs ~242 (2 CTAs per SM).
+// G <= 8 runs 3 CTAs per SM (at most 168 registers; 159 at d = 128, no spills), faster than 4 CTAs
+// capped at 128 registers, which spill. G > 8 needs ~242 (2 CTAs per SM).
 template <int D>
 int ctas_per_sm_for(int group) {
   int n = 1;

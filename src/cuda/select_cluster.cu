@@ -5,6 +5,7 @@
 #include <cooperative_groups.h>
 #include <cub/block/block_reduce.cuh>
 
+#include "kernels_internal.h"
 #include "select_common.cuh"
 
 namespace locks::cuda {
@@ -165,7 +166,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) share_select_cluster_kernel(
   // The cluster's histogram in s.sub[0, kHistBins), then its threshold bin, in every CTA. Up to
   // kDirectGather CTAs: each CTA sums all of them itself. More: CTA r first sums its slice of the
   // bins over the cluster (into s.sub[kHistBins + bin]), and after a barrier every CTA reads the
-  // slices. (H200, 16 CTAs of 4096 pages: ~10 us for the direct gather of 16 x 2048 words.)
+  // slices (a direct gather of 16 x 2048 words is slow).
   constexpr int kPer = kHistBins / kFusedThreads;
   if (C <= kDirectGather) {
     uint32_t v[kPer][kDirectGather];

@@ -11,6 +11,7 @@
 // equal shares go to the lower index (a radix select over the same key when many remain); the
 // result is read out of a bitmap in ascending order. Where the decode plan finds room
 // (SelectParams::cluster_pages), one kernel does both: select_cluster.cu.
+#include "kernels_internal.h"
 #include "select_common.cuh"
 
 namespace locks::cuda {
@@ -32,7 +33,7 @@ static_assert(kHistBins % kSelectThreads == 0, "select threads load the histogra
 // GT: the group size rounded up to 8 or 16, so that G <= 8 holds half the log-mass registers (48
 // instead of 90 registers: 5 instead of 2 CTAs per SM, more loads in flight). MERGE: lse_total from
 // the chunk statistics (p.chunk_stats), a separate instance because the merge costs registers (60
-// at G <= 8, 4 CTAs per SM: at batch 8, 1M tokens, 4 KV heads, select 34 -> 38 us).
+// at G <= 8, 4 CTAs per SM), which slows the batches that do not need it.
 template <int GT, bool MERGE>
 __global__ void __launch_bounds__(kShareThreads) share_hist_kernel(SelectParams p) {
   __shared__ uint32_t hist[kHistBins];
@@ -51,8 +52,7 @@ __global__ void __launch_bounds__(kShareThreads) share_hist_kernel(SelectParams 
   const int j = j0 + threadIdx.x * kSharePages;  // pages j .. j+3 (the stride is a multiple of 8)
   // Eq. 5: m_bar_j = (1/G) sum_g exp(s_hat_j(q_g) - logsumexp_j' s_hat_j'(q_g)). The G log-mass loads
   // go out before the barrier that publishes lse_total, so both round trips overlap. Streaming loads
-  // (read once; the score pass left them in the L2 with evict_last): H200, 1M tokens, 4 KV heads,
-  // batch 8: select 42 -> 37 us.
+  // (read once; the score pass left them in the L2 with evict_last).
   float4 lm[GT];
   load_log_mass_rows(lm, p.log_mass + bh * p.group * p.log_mass_stride + j, 0, p.group, p.log_mass_stride, j < n);
   for (int i = threadIdx.x; i < kHistBins; i += kShareThreads) hist[i] = 0;
@@ -64,8 +64,8 @@ __global__ void __launch_bounds__(kShareThreads) share_hist_kernel(SelectParams 
     // The normaliser from the score pass's chunk statistics, merged by every CTA: warp w merges head
     // rows w and w + 8, whose chunks lie contiguously ([row][chunk]), so the lanes' loads coalesce;
     // the first 128 chunks of a row are loaded at once, in the round trip of the log-mass loads. CTA 0
-    // publishes the result as lse_total. (H200, 1M tokens, 4 KV heads, batch 1: staged through shared
-    // memory from the [chunk][row] layout, 8 bytes per copy, the statistics took ~7 us to arrive.)
+    // publishes the result as lse_total. (Staging them through shared memory from a [chunk][row]
+    // layout, 8 bytes per copy, makes them arrive much later.)
     constexpr int kWarps = kShareThreads / 32;
     const int G = p.group;
     merge_chunk_stats<GT / kWarps>(reinterpret_cast<const float2*>(p.chunk_stats) + bh * 16 * p.n_chunks, p.n_chunks,
@@ -317,8 +317,6 @@ auto share_kernel_for(int group, bool merge) {
 }
 
 }  // namespace
-
-cudaError_t select_pages_in_clusters(const SelectParams& p, cudaStream_t stream);  // select_cluster.cu
 
 size_t select_dynamic_smem(int log_mass_stride) {
   return sizeof(uint32_t) * (kSubBins + 2 * size_t(kCandCap) + size_t((log_mass_stride + 31) / 32));

@@ -5,9 +5,8 @@
 // build_page_summary + PageSummaryStore::store (float64 throughout).
 //
 // Latency matters here: decoding builds one new page per sequence every 16 steps, a launch of a
-// few warps. On the H200 (globaltimer stamps, 4 items) the all-float64 version spent 168 us in the
-// kernel, 145 of them in the Jacobi rounds (float64 divisions and square roots on each round's
-// critical path), 10 in the Gram matrix and 9 in the basis (float -> double conversions).
+// few warps. The Jacobi rounds run in float32 because float64 divisions and square roots on each
+// round's critical path dominate an all-float64 build (docs/cuda-design.md, the summary build).
 #include <cfloat>
 #include <cmath>
 
@@ -39,27 +38,12 @@ struct BuildSmem {
   uint16_t coef_scale[16], basis_scale[8], centroid_scale;
 };
 
-// D (8x8) += A (8x4) B (4x8) in float64 on the tensor cores: a = A[lane / 4][lane % 4],
-// b = B[lane % 4][lane / 4], d[e] = D[lane / 4][2 (lane % 4) + e] (PTX ISA, mma m8n8k4 .f64).
-__device__ __forceinline__ void dmma_884(double (&d)[2], double a, double b) {
-  asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0, %1}, {%2}, {%3}, {%0, %1};"
-               : "+d"(d[0]), "+d"(d[1])
-               : "d"(a), "d"(b));
-}
-
-__device__ __forceinline__ uint16_t f16_bits(float x) { return __half_as_ushort(__float2half_rn(x)); }
-
-// Symmetric quantization with one f16 scale, as the CPU quantize_group: scale rounded to f16
-// first, codes against the rounded scale, round-half-even, clamped to [-qm, qm].
+// Symmetric quantization with one f16 scale, as the CPU store (locks/quant.h): the scale of a group
+// from its warp-reduced max |x|, then each lane's codes against it.
 __device__ __forceinline__ float quant_scale(float amax, int qm, uint16_t& bits) {
-  float scale_f = __fdiv_rn(amax, float(qm));
-  scale_f = fminf(scale_f, 65504.0f);  // the CPU throws here; keys from an f16 cache never get there
-  bits = f16_bits(scale_f);
-  return __half2float(__ushort_as_half(bits));
-}
-__device__ __forceinline__ int quant_code(float x, float inv, int qm) {
-  const int c = __float2int_rn(__fmul_rn(x, inv));
-  return max(-qm, min(qm, c));
+  // The CPU throws where the scale overflows f16; keys from an f16 cache never get there.
+  bits = f32_to_f16(fminf(quant::raw_scale(amax, qm), quant::kF16Max));
+  return f16_to_f32(bits);
 }
 
 __device__ __forceinline__ float warp_max(float x) {
@@ -370,14 +354,14 @@ __global__ void __launch_bounds__(kWarps * 32) summary_build_kernel(SummaryBuild
     for (int k = 0; k < kSummaryRank; ++k) {
       uint16_t sbits;
       const float scale = quant_scale(amax[k], 7, sbits);
-      const float inv = scale > 0.0f ? __frcp_rn(scale) : 0.0f;
+      const float inv = quant::inv_scale(scale);
 #pragma unroll
       for (int m = 0; m < M; ++m) {
         const int c = lane + 32 * m;
-        const int code = quant_code(v[m][k], inv, 7);
+        const int code = quant::code(v[m][k], inv, 7);
         const int code_next = __shfl_down_sync(kFull, code, 1);
         if ((lane & 1) == 0)
-          rec[L::basis_offset(D) + size_t(k) * (D / 2) + c / 2] = uint8_t((code + 8) | ((code_next + 8) << 4));
+          rec[L::basis_offset(D) + size_t(k) * (D / 2) + c / 2] = quant::offset_nibbles(code, code_next);
       }
       if (lane == 0) s.basis_scale[k] = sbits;
     }
@@ -396,10 +380,10 @@ __global__ void __launch_bounds__(kWarps * 32) summary_build_kernel(SummaryBuild
     }
     uint16_t sbits;
     const float scale = quant_scale(amax, 127, sbits);
-    const float inv = scale > 0.0f ? __frcp_rn(scale) : 0.0f;
+    const float inv = quant::inv_scale(scale);
 #pragma unroll
     for (int k = 0; k < kSummaryRank; ++k)
-      rec[L::coef_offset(D) + L::coef_byte(i, k)] = uint8_t(int8_t(quant_code(c8[k], inv, 127)));
+      rec[L::coef_offset(D) + L::coef_byte(i, k)] = uint8_t(int8_t(quant::code(c8[k], inv, 127)));
     s.coef_scale[i] = sbits;
   }
 
@@ -415,11 +399,11 @@ __global__ void __launch_bounds__(kWarps * 32) summary_build_kernel(SummaryBuild
     amax = warp_max(amax);
     uint16_t sbits;
     const float scale = quant_scale(amax, 127, sbits);
-    const float inv = scale > 0.0f ? __frcp_rn(scale) : 0.0f;
+    const float inv = quant::inv_scale(scale);
 #pragma unroll
     for (int m = 0; m < D / 32; ++m) {
       const int c = lane + 32 * m;
-      rec[L::centroid_offset(D) + L::centroid_byte(c)] = uint8_t(int8_t(quant_code(mv[m], inv, 127)));
+      rec[L::centroid_offset(D) + L::centroid_byte(c)] = uint8_t(int8_t(quant::code(mv[m], inv, 127)));
     }
     if (lane == 0) s.centroid_scale = bad_keys ? uint16_t(0x7e00) : sbits;  // f16 NaN: every score NaN
   }

@@ -1,14 +1,11 @@
 // Host packing of a float summary into the device record (record_layout.h), quantized exactly as
 // the CPU PageSummaryStore::store does, and the inverse (dequantization) for tests.
-#include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <string>
 
-#include <cuda_fp16.h>
-
 #include "locks/cuda/kernels.h"
+#include "locks/quant.h"
 #include "record_layout.h"
 
 namespace locks::cuda {
@@ -17,22 +14,14 @@ namespace {
 
 namespace L = layout;
 
-uint16_t to_f16(float x) { return __half_as_ushort(__float2half_rn(x)); }
-float from_f16(uint16_t h) { return __half2float(__ushort_as_half(h)); }
-
-// CPU quantize_group: scale rounded to f16 first, codes against the rounded scale, half-even.
+// The CPU store's quantization (quant.h) into int codes; its error message, word for word.
 uint16_t quantize(const float* x, int n, int qm, int* codes, const char* what) {
+  f16_t scale = 0;
   float amax = 0.0f;
-  for (int i = 0; i < n; ++i) amax = std::max(amax, std::abs(x[i]));
-  const float scale_f = amax / float(qm);
-  if (scale_f > 65504.0f)
+  if (!quant::quantize(x, size_t(n), qm, scale, amax, [&](size_t i, int c) { codes[i] = c; }))
     throw std::invalid_argument(std::string("page summary: ") + what + " magnitude " + std::to_string(amax) +
                                 " overflows the f16 scale");
-  const uint16_t h = to_f16(scale_f);
-  const float scale = from_f16(h);
-  const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-  for (int i = 0; i < n; ++i) codes[i] = std::clamp(static_cast<int>(std::nearbyint(x[i] * inv)), -qm, qm);
-  return h;
+  return scale;
 }
 
 void check_dim(int d) {
@@ -48,17 +37,18 @@ void pack_summary_record(const float* centroid, const float* basis, const float*
   uint16_t scales[32] = {};
   int codes[128];
   for (int k = 0; k < L::kRank; ++k) {
-    const uint16_t s = quantize(basis + size_t(k) * d, d, 7, codes, "basis column");
+    const uint16_t s = quantize(basis + size_t(k) * d, d, quant::qmax(4), codes, "basis column");
     scales[L::basis_scale_slot(k)] = s;
     uint8_t* col = out + L::basis_offset(d) + size_t(k) * (d / 2);
-    for (int c = 0; c < d; c += 2) col[c / 2] = uint8_t((codes[c] + 8) | ((codes[c + 1] + 8) << 4));
+    for (int c = 0; c < d; c += 2) col[c / 2] = quant::offset_nibbles(codes[c], codes[c + 1]);
   }
   for (int i = 0; i < L::kPage; ++i) {
-    scales[L::coef_scale_slot(i)] = quantize(coef + size_t(i) * L::kRank, L::kRank, 127, codes, "coefficient row");
+    scales[L::coef_scale_slot(i)] =
+        quantize(coef + size_t(i) * L::kRank, L::kRank, quant::qmax(8), codes, "coefficient row");
     for (int k = 0; k < L::kRank; ++k)
       out[L::coef_offset(d) + L::coef_byte(i, k)] = uint8_t(static_cast<int8_t>(codes[k]));
   }
-  const uint16_t ms = quantize(centroid, d, 127, codes, "centroid");
+  const uint16_t ms = quantize(centroid, d, quant::qmax(8), codes, "centroid");
   for (int c = 0; c < d; ++c) out[L::centroid_offset(d) + L::centroid_byte(c)] = uint8_t(static_cast<int8_t>(codes[c]));
   for (int t = 0; t < 4; ++t) scales[L::centroid_scale_slot(t)] = ms;
   std::memcpy(out + L::scales_offset(d), scales, sizeof scales);
@@ -69,19 +59,16 @@ void unpack_summary_record(const uint8_t* rec, int d, float* centroid, float* ba
   uint16_t scales[32];
   std::memcpy(scales, rec + L::scales_offset(d), sizeof scales);
   for (int k = 0; k < L::kRank; ++k) {
-    const float s = from_f16(scales[L::basis_scale_slot(k)]);
+    const float s = f16_to_f32(scales[L::basis_scale_slot(k)]);
     const uint8_t* col = rec + L::basis_offset(d) + size_t(k) * (d / 2);
-    for (int c = 0; c < d; ++c) {
-      const int code = ((col[c / 2] >> (4 * (c % 2))) & 0xf) - 8;
-      basis[size_t(k) * d + c] = float(code) * s;
-    }
+    for (int c = 0; c < d; ++c) basis[size_t(k) * d + c] = float(quant::offset_nibble_code(col[c / 2], c % 2)) * s;
   }
   for (int i = 0; i < L::kPage; ++i) {
-    const float s = from_f16(scales[L::coef_scale_slot(i)]);
+    const float s = f16_to_f32(scales[L::coef_scale_slot(i)]);
     for (int k = 0; k < L::kRank; ++k)
       coef[i * L::kRank + k] = float(static_cast<int8_t>(rec[L::coef_offset(d) + L::coef_byte(i, k)])) * s;
   }
-  const float ms = from_f16(scales[L::centroid_scale_slot(0)]);
+  const float ms = f16_to_f32(scales[L::centroid_scale_slot(0)]);
   for (int c = 0; c < d; ++c)
     centroid[c] = float(static_cast<int8_t>(rec[L::centroid_offset(d) + L::centroid_byte(c)])) * ms;
 }

@@ -17,6 +17,8 @@
 
 #include <sys/stat.h>
 
+#include "locks/quant.h"
+
 namespace locks {
 
 namespace {
@@ -94,22 +96,6 @@ uint32_t load_u32(const uint8_t* p) {
 uint64_t load_u64(const uint8_t* p) {
   return static_cast<uint64_t>(load_u32(p)) | (static_cast<uint64_t>(load_u32(p + 4)) << 32);
 }
-
-float f16_to_f32(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu;
-  const uint32_t mant = h & 0x3ffu;
-  if (exp == 0) {
-    // Zero or subnormal: mant * 2^-24 is exact in float.
-    const float v = std::ldexp(static_cast<float>(mant), -24);
-    return sign ? -v : v;
-  }
-  // Inf/NaN keep an all-ones exponent; normals rebias 15 -> 127.
-  const uint32_t e32 = exp == 0x1f ? 0xffu : exp + (127 - 15);
-  return std::bit_cast<float>(sign | (e32 << 23) | (mant << 13));
-}
-
-float bf16_to_f32(uint16_t h) { return std::bit_cast<float>(static_cast<uint32_t>(h) << 16); }
 
 // Bounds-checked little-endian cursor over the file image. `ctx` names what is being parsed so
 // that truncation errors say where they happened.

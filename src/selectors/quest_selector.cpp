@@ -33,8 +33,8 @@ void QuestSelector::do_on_pages_filled(const PagedKvCache& cache, int il, std::s
       if (!(std::abs(lo) <= 65504.0f && std::abs(hi) <= 65504.0f))
         throw std::invalid_argument(
             fmt::format("quest: key channel {} of page {} (layer {}, KV head {}) beyond the f16 range", c, page, l, h));
-      mm[c] = qvec::f16_round_down(lo);
-      mm[d + c] = qvec::f16_round_up(hi);
+      mm[c] = f16_round_down(lo);
+      mm[d + c] = f16_round_up(hi);
     }
     store_.set_valid(l, h, page);
   });

@@ -25,11 +25,10 @@
 //                         n uses KV head n / group (llama.cpp / HF GQA order).
 // Supported: head_dim 64 or 128; group 1..16 (any value, 5, 6, 7 included); page size 16.
 //
-// Bad device-side input (checked on the device; ~0.5% of a LOCKS step at batch 1 on the H200, measured
-// in one A/B call, nothing measurable in the dense step): a sequence whose page count
-// is negative (indptr not ascending) or above what the launch covers, whose last_page_len is outside
-// 1..16, or whose page table holds an id outside [0, n_pages_pool), is never read or written out of
-// bounds. Its outputs become NaN (o, lse, lse_total; n_selected = -1) and a bit of the optional
+// Bad device-side input (checked on the device, at a small cost: docs/cuda-design.md): a sequence
+// whose page count is negative (indptr not ascending) or above what the launch covers, whose
+// last_page_len is outside 1..16, or whose page table holds an id outside [0, n_pages_pool), is never
+// read or written out of bounds. Its outputs become NaN (o, lse, lse_total; n_selected = -1) and a bit of the optional
 // status word is set (DecodeStatus; read it with read_decode_status). Other sequences are unaffected.
 #pragma once
 
@@ -106,7 +105,7 @@ struct SummaryBuildParams {
   float* tails = nullptr;      // [n_head_kv][n_pages_pool], nullable
   uint32_t* status = nullptr;  // nullable: kStatusBadPageId (an id outside the pool: skipped), kStatusBadKeys
   /// Several layers in one launch: a decoded page fills in every layer at once, and the launch is
-  /// latency-bound, so L layers cost about what one does (H200: see docs/RESULTS_CUDA.md). Layer l
+  /// latency-bound, so L layers cost about what one does (docs/cuda-design.md). Layer l
   /// reads K at k + l * k_layer_stride elements and writes records + l * records_layer_stride bytes,
   /// tails + l * tails_layer_stride floats; the same page ids in every layer. With n_layers > 1 the
   /// strides must keep the layers apart (k_layer_stride >= n_pages_pool * n_head_kv * 16 * head_dim, or
@@ -309,8 +308,7 @@ struct AttentionParams {
   /// a_b = 1 + floor(n_b * (S - batch) / sum n) splits of ceil(n_b / a_b) pages (S = n_splits *
   /// batch), at most attention_max_splits() and one per 4 pages; a sequence with a bad page count
   /// counts as empty (its one CTA reports it). So sequences shorter than the plan's bound, or one long
-  /// sequence among short ones, keep the whole grid busy (H200, 1M tokens, 4 KV heads, batch 8 of
-  /// 1M, 512K, ..., 8K tokens: 2350 -> 980 us). partial_o / partial_lse are then indexed
+  /// sequence among short ones, keep the whole grid busy. partial_o / partial_lse are then indexed
   /// [n_head_kv][S][16][head_dim] and [n_head_kv][S][16] (the same sizes). A sequence's splits depend
   /// on the others' lengths, so its output can differ in the last bits between batches (off:
   /// batch-invariant). The split merge runs where the plan's n_splits puts it (merge_kernel_above),

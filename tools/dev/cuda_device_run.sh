@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs on the lent H200 from the repository root, with build-cuda/dist carried (scripts/cuda_dist.sh).
-#   scripts/cuda_device_run.sh STAGE...   stages: info tests embed memcheck racecheck bench1 sdpa1 bench sdpa ncu
+# Runs on the lent H200 from the repository root, with build-cuda/dist carried (tools/dev/cuda_dist.sh).
+#   tools/dev/cuda_device_run.sh STAGE...   stages: info tests embed memcheck racecheck bench1 sdpa1 bench sdpa ncu
 #                                          ncudur ncuscore ncusrc ab patterns sass
 # (env: AB, AB_BATCHES, AB_KV2 for ab; NCU_BATCHES for ncu; KERNEL, SKIP for ncusrc; RACECHECK_FILTER, RACECHECK_TIMEOUT)
 # Logs and CSVs go to $OUT. Each stage has its own time limit, so that a hung stage cannot take the whole call
@@ -27,7 +27,7 @@ for stage in "$@"; do
       timeout 180 "$DIST/bin/locks_tests" --gtest_filter='Cuda*' > "$OUT/tests.log" 2>&1; echo "tests rc=$?"
       grep -E "^\[  (PASSED|FAILED|SKIPPED)|^\[ (summary|score|select|attention|step|real)|Failure|error" \
         "$OUT/tests.log" | head -80 ;;
-    embed)  # examples/embed (built by scripts/cuda_dist.sh): the CPU step and the same step on the GPU
+    embed)  # examples/embed (built by tools/dev/cuda_dist.sh): the CPU step and the same step on the GPU
       stamp embed
       timeout 60 "$DIST/bin/embed_locks"; echo "embed rc=$?" ;;
     memcheck)

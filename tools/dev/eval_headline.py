@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Headline table of a `locks eval` results.csv: retrieval accuracy summed over the needle families,
 and the fidelity chain at the answer steps (row means over contexts x families, as summary.md).
-  python3 scripts/eval_headline.py DIR/results.csv"""
+  python3 tools/dev/eval_headline.py DIR/results.csv"""
 import csv
 import math
 import sys

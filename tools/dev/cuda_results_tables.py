@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Markdown tables for docs/RESULTS_CUDA.md from the two CSVs of one device run:
+"""Markdown tables for docs/results-cuda.md from the two CSVs of one device run:
 `locks bench --device cuda --csv ours.csv` and `scripts/bench_sdpa.py --csv sdpa.csv`.
 
-  python3 scripts/cuda_results_tables.py bench/results/cuda_h200_locks_dense.csv bench/results/cuda_h200_sdpa.csv
+  python3 tools/dev/cuda_results_tables.py bench/results/cuda_h200_locks_dense.csv bench/results/cuda_h200_sdpa.csv
 """
 import csv
 import sys

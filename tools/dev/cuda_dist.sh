@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Build the CUDA-enabled binaries here (no GPU needed) and bundle them with the shared libraries a
-# bare CUDA image may lack, for running on the lent H200 (scripts/cuda_device_run.sh there).
-#   scripts/cuda_dist.sh [build-dir]      -> <build-dir>/dist/{bin,lib}
+# bare CUDA image may lack, for running on the lent H200 (tools/dev/cuda_device_run.sh there).
+#   tools/dev/cuda_dist.sh [build-dir]      -> <build-dir>/dist/{bin,lib}
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 BUILD=${1:-build-cuda}
 cmake -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DLOCKS_WERROR=ON -DLOCKS_NATIVE=OFF -DCMAKE_CUDA_ARCHITECTURES=90a >/dev/null
 cmake --build "$BUILD" -j2 --target locks locks_tests
