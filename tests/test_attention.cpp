@@ -411,7 +411,7 @@ TEST(Attention, DecodeLargePagesOrHeadsAreCorrectOrRejected) {
 }
 
 // Layers, KV heads and page positions outside the cache or sequence throw std::out_of_range naming
-// them (a position past the page table used to read outside the pool).
+// them (a position past the page table would read outside the pool).
 TEST(Attention, IndicesOutsideTheCacheThrow) {
   std::mt19937 rng(77);
   Fixture f = make_fixture(rng, 2, 2, 16, 83, KvDtype::F16);  // 6 pages

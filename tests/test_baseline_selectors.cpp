@@ -1,4 +1,4 @@
-// Baseline selectors of issue 4 (quest, centroid, second-moment, sequence-basis, global-basis,
+// The baseline selectors (quest, centroid, second-moment, sequence-basis, global-basis,
 // streaming): each estimate against a float64 reference written here, the documented byte counts,
 // and the selection invariants shared by every selector.
 #include <gtest/gtest.h>
