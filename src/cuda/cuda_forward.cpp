@@ -90,7 +90,7 @@ CudaForward::CudaForward(std::shared_ptr<const DeviceWeights> weights, const Eng
   logits_ = reinterpret_cast<float*>(base + lay.logits);
   inv_freq_ = reinterpret_cast<double*>(base + lay.inv_freq);
   status_ = reinterpret_cast<uint32_t*>(base + lay.status);
-  check(cudaMallocHost(&tokens_pinned_, size_t(cfg.max_rows) * 4), "pinned tokens");
+  check(cudaMallocHost(reinterpret_cast<void**>(&tokens_pinned_), size_t(cfg.max_rows) * 4), "pinned tokens");
   check(cudaEventCreateWithFlags(&tokens_copied_, cudaEventDisableTiming), "event");
   check(cudaMemset(status_, 0, 4), "init");
   {  // RoPE frequencies base^(-2i/n_rot), as the CPU engine computes them.

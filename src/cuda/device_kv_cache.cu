@@ -138,7 +138,7 @@ DeviceKvCache::DeviceKvCache(const DeviceKvConfig& cfg) : cfg_(cfg) {
   row_pos_ = device_alloc<int32_t>(cfg.max_rows, "row positions");
   filled_ = device_alloc<int32_t>(size_t(cfg.max_rows) / kPageSize + S + 1, "page lists");
   pinned_cap_ = size_t(S) * cfg.max_pages_per_seq;
-  check(cudaMallocHost(&pinned_, pinned_cap_ * sizeof(int32_t)), "pinned page lists");
+  check(cudaMallocHost(reinterpret_cast<void**>(&pinned_), pinned_cap_ * sizeof(int32_t)), "pinned page lists");
   lengths_h_.assign(S, 0);
   pages_h_.assign(S, {});
   free_pages_.resize(n_pages_pool_);

@@ -109,7 +109,7 @@ class Uploader {
     for (size_t off = 0; off < n; off += kChunk) {
       const size_t m = std::min(kChunk, n - off);
       stage_.resize(m);
-      for (size_t i = 0; i < m; ++i) stage_[i] = f32_to_bf16(src[off + i]);
+      for (size_t i = 0; i < m; ++i) stage_[i] = locks::f32_to_bf16(src[off + i]);
       check(cudaMemcpy(d + off, stage_.data(), m * 2, cudaMemcpyHostToDevice), "upload");
     }
   }

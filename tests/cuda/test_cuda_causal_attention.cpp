@@ -33,7 +33,7 @@
 #include "cuda/causal_attention.h"
 #include "locks/attention.h"
 #include "locks/cuda/kernels.h"
-#include "locks/fp16.h"
+#include "locks/quant.h"
 #include "locks/kv_cache.h"
 
 namespace lc = locks::cuda;
