@@ -3,8 +3,8 @@
 `locks bench --device cuda --e2e` measured on the same GPU in the same device call.
 
 What a user could write in an afternoon: random bf16 weights (Q/K/V fused, gate/up fused), a static
-KV cache [B, H_kv, T_max, d] bf16 filled up to the context, RMSNorm, RoPE, SDPA on the cuDNN
-backend over the filled prefix with GQA as the group's query heads in the query-length axis (K/V read
+KV cache [B, H_kv, T, d] bf16 whose last position the step writes, RMSNorm, RoPE, SDPA on the cuDNN
+backend over the whole cache with GQA as the group's query heads in the query-length axis (K/V read
 once per group, as scripts/bench_sdpa.py), SwiGLU, logits, argmax; the whole decode step captured in one
 CUDA graph and replayed. TPOT = median of the replays (CUDA events, a 300 us wait on the GPU before
 each so the host has launched the step before the GPU reaches it).
@@ -56,13 +56,15 @@ def run(args):
         ctxs = [c for c in contexts if not args.contexts or str(c) in args.contexts.split(",")]
         for T in ctxs:
             for B in [int(b) for b in args.batches.split(",")]:
-                kv_bytes = 2 * L * B * NKV * (T + 16) * D * 2
+                kv_bytes = 2 * L * B * NKV * T * D * 2
                 free, _ = torch.cuda.mem_get_info()
                 if kv_bytes + (4 << 30) > free:
                     print(f"{name} {T // 1024}K b{B}: skipped (KV {kv_bytes / 2**30:.0f} GiB > free)")
                     continue
-                kc = [torch.randn(B, NKV, T + 16, D, device=dev, dtype=torch.bfloat16) for _ in range(L)]
-                vc = [torch.randn(B, NKV, T + 16, D, device=dev, dtype=torch.bfloat16) for _ in range(L)]
+                # Contiguous [B, H_kv, T, d] caches: a slice of a longer one is a strided view, which
+                # SDPA would copy at every step.
+                kc = [torch.randn(B, NKV, T, D, device=dev, dtype=torch.bfloat16) for _ in range(L)]
+                vc = [torch.randn(B, NKV, T, D, device=dev, dtype=torch.bfloat16) for _ in range(L)]
                 tok = torch.ones(B, dtype=torch.long, device=dev)
                 pos = T - 1  # the step appends at T - 1 and attends the T positions before and at it
                 ang = pos * inv_freq
@@ -85,7 +87,7 @@ def run(args):
                         k_cache[:, :, pos:pos + 1] = k
                         v_cache[:, :, pos:pos + 1] = v
                         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                            a = F.scaled_dot_product_attention(q, k_cache[:, :, :T], v_cache[:, :, :T])
+                            a = F.scaled_dot_product_attention(q, k_cache, v_cache)
                         x = x + a.reshape(B, NH * D) @ lw["o"].t()
                         h = F.rms_norm(x, (E,), lw["n2"], 1e-5)
                         gu = h @ lw["gu"].t()

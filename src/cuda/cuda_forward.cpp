@@ -4,6 +4,9 @@
 #include <cuda_runtime_api.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 
 #include <fmt/format.h>
@@ -51,6 +54,27 @@ struct BufferLayout {
 }  // namespace
 
 void CudaForward::check(cudaError_t e, const char* what) const { check_cuda(e, what); }
+
+// LOCKS_ENGINE_DEBUG=1: after each eager operation, the first non-finite value of its output.
+void CudaForward::debug(const char* op, const void* buf, size_t n, bool f32) const {
+  static const bool on = std::getenv("LOCKS_ENGINE_DEBUG") != nullptr;
+  if (!on || capturing_) return;
+  check_cuda(cudaStreamSynchronize(stream_), op);
+  std::vector<uint32_t> h(f32 ? n : (n + 1) / 2);
+  check_cuda(cudaMemcpy(h.data(), buf, f32 ? n * 4 : n * 2, cudaMemcpyDeviceToHost), op);
+  double mx = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t bits = f32 ? h[i] : (i % 2 ? h[i / 2] & 0xffff0000u : h[i / 2] << 16);
+    float v;
+    std::memcpy(&v, &bits, 4);
+    if (!std::isfinite(v)) {
+      std::fprintf(stderr, "[engine debug] %s: element %zu of %zu is %g\n", op, i, n, v);
+      return;
+    }
+    mx = std::max(mx, double(std::fabs(v)));
+  }
+  std::fprintf(stderr, "[engine debug] %s: %zu finite, max |x| %g\n", op, n, mx);
+}
 
 CudaForward::CudaForward(std::shared_ptr<const DeviceWeights> weights, const EngineConfig& cfg)
     : w_(std::move(weights)), cfg_(cfg), hp_(w_->hp) {
@@ -256,6 +280,7 @@ void CudaForward::embed() {
   p.x = x_;
   p.status = status_;
   check(embed_rows(p, stream_), "embedding");
+  debug("embedding", x_, size_t(rows_) * hp_.n_embd, true);
 }
 
 void CudaForward::rmsnorm(int il, NormWeight which) {
@@ -274,6 +299,7 @@ void CudaForward::rmsnorm(int il, NormWeight which) {
   p.out = xn_;
   p.out_f32 = f32_;
   check(rmsnorm_rows(p, stream_), "RMSNorm");
+  debug("RMSNorm", xn_, size_t(rows_ - first) * hp_.n_embd, f32_);
 }
 
 void CudaForward::qkv(int il) {
@@ -283,6 +309,8 @@ void CudaForward::qkv(int il) {
   const size_t el = f32_ ? 4 : 2;
   gemm(xn_, w, q_, rows_, nq, E, false);
   gemm(xn_, static_cast<const char*>(w) + size_t(nq) * E * el, kv_, rows_, nkv, E, false);
+  debug("Q", q_, size_t(rows_) * nq, true);
+  debug("K|V", kv_, size_t(rows_) * nkv, true);
 }
 
 void CudaForward::rope_append(int il) {
@@ -320,6 +348,7 @@ void CudaForward::rope_append(int il) {
     a.dtype = cfg_.kv_dtype;
     a.status = status_;
     check(append_kv(a, stream_), "K/V append");
+    debug("RoPE k|v", kv_, size_t(rows_) * 2 * NKV * HD, true);
   }
   // Alg. 1 on the pages this step filled (decode: one entry per sequence, -1 where none filled).
   const int n_filled = decode_ ? (graph_slot_fill_ ? cache_->n_filled() : 0) : cache_->n_filled();
@@ -381,6 +410,7 @@ void CudaForward::attention(int il) {
     }
     check(causal_attention(p, stream_), "attention");
   }
+  debug("attention", att_, size_t(rows_) * hp_.n_head * hp_.head_dim, true);
   if (!f32_ && on(kPartOther))
     check(f32_to_bf16(att_, att_in_, size_t(rows_) * hp_.n_head * hp_.head_dim, stream_), "attention output");
 }
@@ -391,6 +421,7 @@ void CudaForward::project_add(int il, Projection which) {
     gemm(att_in_, L.w_o, x_, rows_, hp_.n_embd, hp_.n_head * hp_.head_dim, true);
   else
     gemm(ffn_, L.w_down, x_, rows_, hp_.n_embd, hp_.n_ff, true);
+  debug(which == Projection::kOutput ? "x + att W_o" : "x + ffn W_down", x_, size_t(rows_) * hp_.n_embd, true);
 }
 
 void CudaForward::gate_up_swiglu(int il) {
@@ -406,10 +437,12 @@ void CudaForward::gate_up_swiglu(int il) {
   p.out = ffn_;
   p.out_f32 = f32_;
   check(swiglu_rows(p, stream_), "SwiGLU");
+  debug("SwiGLU", ffn_, size_t(rows_) * F, f32_);
 }
 
 void CudaForward::logits() {
   gemm(xn_, w_->output, logits_, decode_ ? rows_ : 1, hp_.n_vocab, hp_.n_embd, false);
+  debug("logits", logits_, size_t(decode_ ? rows_ : 1) * hp_.n_vocab, true);
 }
 
 void CudaForward::read_logits(int seq, std::span<float> out) {

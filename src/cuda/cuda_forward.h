@@ -72,7 +72,8 @@ class CudaForward final : public ForwardOps {
 
  private:
   void check(cudaError_t e, const char* what) const;
-  void account(DecodeTotals& t) const;  // the bytes the next decode step reads
+  void account(DecodeTotals& t) const;
+  void debug(const char* op, const void* buf, size_t n, bool f32) const;  // the bytes the next decode step reads
   void gemm(const void* x, const void* w, float* y, int rows, int n_out, int n_in, bool accumulate);
 
   std::shared_ptr<const DeviceWeights> w_;

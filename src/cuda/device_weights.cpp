@@ -192,6 +192,7 @@ DeviceWeights& DeviceWeights::operator=(DeviceWeights&& o) noexcept {
   if (this != &o) {
     if (storage_) cudaFree(storage_);
     hp = o.hp;
+    type = o.type;
     tok_embd = o.tok_embd;
     output = o.output;
     output_norm = o.output_norm;

@@ -94,7 +94,8 @@ bool Gemm::run(const void* x, const void* w, bool f32, float* y, int rows, int n
   const Cublas& lib = cublas();
   const cublasStatus_t s =
       lib.gemm_ex(static_cast<cublasHandle_t>(handle_), CUBLAS_OP_T, CUBLAS_OP_N, n_out, rows, n_in, &alpha, w, in,
-                  n_in, x, in, n_in, &beta, y, CUDA_R_32F, n_out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+                  n_in, x, in, n_in, &beta, y, CUDA_R_32F, n_out,
+                  f32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   if (s == CUBLAS_STATUS_SUCCESS) return true;
   error_ = std::string("cuBLAS GEMM ") + std::to_string(rows) + "x" + std::to_string(n_out) + "x" +
            std::to_string(n_in) + ": " + lib.status_string(s);
