@@ -49,6 +49,8 @@ struct BenchArgs {
   bool no_pdl = false;
   bool ragged = false;
   bool no_balance = false;
+  bool e2e = false;
+  std::vector<std::string> shapes;
   // ---- end CUDA ----
 };
 
@@ -253,6 +255,36 @@ int bench_cuda(const BenchArgs& a, bool custom_shape, bool budget_given, bool ru
       "found at configure time; install the CUDA toolkit and reconfigure so CMake builds locks_cuda)");
 #endif
 }
+
+// Whole models on the GPU (src/cuda/bench_e2e.cu): the default shapes, or those --shapes names, at
+// their contexts or at --contexts.
+int bench_cuda_e2e(const BenchArgs& a, bool contexts_given, bool budget_given, bool runs_given) {
+#ifdef LOCKS_WITH_CUDA
+  cuda::E2eOptions o;
+  for (cuda::E2eShape sh : cuda::default_e2e_shapes()) {
+    if (!a.shapes.empty() && std::find(a.shapes.begin(), a.shapes.end(), sh.name) == a.shapes.end()) continue;
+    if (contexts_given) sh.contexts = a.contexts;
+    o.shapes.push_back(sh);
+  }
+  for (const std::string& name : a.shapes)
+    if (std::none_of(o.shapes.begin(), o.shapes.end(), [&](const cuda::E2eShape& sh) { return sh.name == name; })) {
+      std::string known;
+      for (const auto& sh : cuda::default_e2e_shapes()) known += (known.empty() ? "" : ", ") + sh.name;
+      throw CLI::ValidationError("--shapes", fmt::format("unknown shape '{}' (known: {})", name, known));
+    }
+  o.batches = a.batches;
+  o.budget_tokens = budget_given ? a.budget : 2048;
+  if (runs_given) o.steps = a.runs;
+  o.csv = a.csv;
+  return cuda::run_e2e_bench(o);
+#else
+  (void)a;
+  (void)contexts_given;
+  (void)budget_given;
+  (void)runs_given;
+  return bench_cuda(a, false, false, false);  // the same "built without CUDA" error
+#endif
+}
 // ---- end CUDA ----
 
 }  // namespace
@@ -307,7 +339,12 @@ Runner add_bench(CLI::App& app) {
                    "instead of context each"),
       app.add_flag("--no-balance", a->no_balance,
                    "cuda: every sequence gets the same share of the GPU, sized by the longest (no run-time "
-                   "balancing of the score pass and dense attention; batch-invariant results)")};
+                   "balancing of the score pass and dense attention; batch-invariant results)"),
+      app.add_flag("--e2e", a->e2e,
+                   "cuda: whole models (random bf16 weights made on the GPU): per-token decode latency dense vs "
+                   "LOCKS, the dense roofline, where a LOCKS step's time goes, TTFT of a real prefill"),
+      app.add_option("--shapes", a->shapes, "cuda --e2e: model shapes (llama3.1-8b, glm4-9b-1m-kv4, glm4-9b-1m-kv2)")
+          ->delimiter(',')};
   // ---- end CUDA ----
   const std::vector<CLI::Option*> cpu_only = {
       app.add_option("-m,--model", a->model, "cpu: GGUF model for the engine benchmark")->check(non_empty_path()),
@@ -337,6 +374,12 @@ Runner add_bench(CLI::App& app) {
           throw CLI::ValidationError(o->get_name(), "applies to the attention benchmark, which --skip-attention skips");
     // ---- CUDA (`--device cuda`) ----
     if (a->device == "cuda") {
+      if (a->e2e) {
+        for (const CLI::Option* o : {o_kv, o_grp, o_hd})
+          if (o->count() > 0) throw CLI::ValidationError(o->get_name(), "does not apply with --e2e (--shapes)");
+        return bench_cuda_e2e(*a, o_ctx->count() > 0, o_bud->count() > 0, o_runs->count() > 0);
+      }
+      if (!a->shapes.empty()) throw CLI::ValidationError("--shapes", "applies with --e2e");
       // The kernels' shapes, checked before the device is touched (src/cuda: make_decode_plan).
       if (o_hd->count() > 0 && a->head_dim != 64 && a->head_dim != 128)
         throw CLI::ValidationError("--head-dim",

@@ -42,7 +42,9 @@ struct RunArgs {
   int threads = 0;
   int decode_tail = -1;
   int n_ctx = 0;
-  std::string kv_dtype = "f16";
+  std::string kv_dtype;  // default: f16 on the CPU, bf16 on CUDA
+  std::string device = "cpu";
+  std::string gpu_weights = "auto";
   bool json = false;
   bool prompt_given = false;  // -p was passed (an empty prompt then means BOS only)
   bool rank_given = false, basis_bits_given = false, group_rule_given = false;
@@ -108,7 +110,15 @@ int run(const RunArgs& a) {
   sc.selector_opts.summary.rank = a.rank;
   sc.selector_opts.summary.basis_bits = a.basis_bits;
   sc.selector_opts.group_rule = parse_group_rule(a.group_rule);
-  sc.kv_dtype = parse_kv_dtype(a.kv_dtype);
+  sc.device = parse_device(a.device);
+  if (sc.device == Device::kCuda) {
+    sc.cuda.kv_bf16 = a.kv_dtype != "f16";
+    sc.cuda.weights = a.gpu_weights == "bf16"  ? CudaSessionOptions::Weights::kBF16
+                      : a.gpu_weights == "f32" ? CudaSessionOptions::Weights::kF32
+                                               : CudaSessionOptions::Weights::kAuto;
+  } else {
+    sc.kv_dtype = parse_kv_dtype(a.kv_dtype.empty() ? "f16" : a.kv_dtype);
+  }
   sc.n_ctx = a.n_ctx;
   if (a.n_ctx > model.hp.n_ctx_train)
     diag("[locks] warning: context {} tokens exceeds the model's training context of {}\n", a.n_ctx,
@@ -140,6 +150,7 @@ int run(const RunArgs& a) {
     j["prompt_tokens"] = r.prompt_ids.size();
     j["generated_ids"] = r.generated_ids;
     j["selector"] = a.selector;
+    j["device"] = a.device;
     j["budget_tokens"] = reads_budget ? nlohmann::json(a.budget) : nlohmann::json();  // full: every page
     j["stats"] = {{"prefill_s", r.prefill_seconds},      {"prefill_tokens", r.prefill_tokens},
                   {"prefill_tokens_per_s", prefill_tps}, {"decode_steps", r.decode.steps},
@@ -159,7 +170,8 @@ int run(const RunArgs& a) {
                           "(ratio {:.3f}, {:.1f}x fewer)",
                           r.decode.steps, r.decode.steps == 1 ? "" : "s", decode_tps, bytes_step / 1024.0,
                           dense_step / 1024.0, ratio, ratio > 0 ? 1.0 / ratio : 0.0);
-    diag("[locks] selector={} budget={} | prompt {} token{} | prefill {:.2f} s ({:.0f} tok/s) | {}\n", a.selector,
+    diag("[locks] {}selector={} budget={} | prompt {} token{} | prefill {:.2f} s ({:.0f} tok/s) | {}\n",
+         sc.device == Device::kCuda ? "device=cuda " : "", a.selector,
          budget, r.prompt_ids.size(), r.prompt_ids.size() == 1 ? "" : "s", r.prefill_seconds, prefill_tps, decode);
   }
   return 0;
@@ -233,11 +245,19 @@ Runner add_run(CLI::App& app) {
   app.add_option("-c,--ctx", a->n_ctx, "context size in tokens (default: the model's)")
       ->transform(decimal_integer())
       ->check(CLI::Range(1, kMaxContextTokens));
-  app.add_option("--kv-dtype", a->kv_dtype, "KV cache storage: f16 or f32")
-      ->check(CLI::IsMember({"f16", "f32"}))
+  app.add_option("--kv-dtype", a->kv_dtype, "KV cache storage: f16 or f32 on the CPU (default f16), bf16 or f16 on CUDA "
+                 "(default bf16)")
+      ->check(CLI::IsMember({"f16", "f32", "bf16"}));
+  app.add_option("--device", a->device, "where the model runs: cpu, or cuda (the whole model on the GPU; selectors "
+                 "full and locks)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
+  CLI::Option* weights_opt = app.add_option("--gpu-weights", a->gpu_weights,
+                 "matrix weights on the GPU: bf16, f32, or auto (f32 up to 2 GiB of them, else bf16)")
+      ->check(CLI::IsMember({"auto", "bf16", "f32"}))
       ->capture_default_str();
   app.add_flag("--json", a->json, "print one JSON object instead of streamed text and a stats line");
-  return [a, prompt_opt, rank_opt, basis_opt, rule_opt, budget_opt, top_p_opt, seed_opt] {
+  return [a, prompt_opt, rank_opt, basis_opt, rule_opt, budget_opt, top_p_opt, seed_opt, weights_opt] {
     a->prompt_given = prompt_opt->count() > 0;
     a->budget_given = budget_opt->count() > 0;
     a->top_p_given = top_p_opt->count() > 0;
@@ -249,6 +269,13 @@ Runner add_run(CLI::App& app) {
     if (!(a->top_p > 0.0f && a->top_p <= 1.0f)) throw CLI::ValidationError("--top-p", "must be in (0, 1]");
     if (a->budget % 16 != 0)
       throw CLI::ValidationError("--budget", fmt::format("{} is not a multiple of the page size 16", a->budget));
+    const bool cuda = a->device == "cuda";
+    if (!cuda && a->kv_dtype == "bf16")
+      throw CLI::ValidationError("--kv-dtype", "bf16 is the GPU's KV type (--device cuda); the CPU stores f16 or f32");
+    if (cuda && a->kv_dtype == "f32")
+      throw CLI::ValidationError("--kv-dtype", "f32 is a CPU KV type; --device cuda stores bf16 or f16");
+    if (!cuda && weights_opt->count() > 0)
+      throw CLI::ValidationError("--gpu-weights", "applies with --device cuda");
     return run(*a);
   };
 }

@@ -1,5 +1,6 @@
-// One sequence being generated: the model's forward pass over a paged KV cache, with dense prefill
-// and selector-driven sparse decode (Alg. 2 inside every layer's attention).
+// One sequence being generated: the model's forward pass (llama_forward, locks/forward.h) over a
+// paged KV cache, with dense prefill and selector-driven sparse decode (Alg. 2 inside every layer's
+// attention), on the CPU or on a CUDA GPU.
 #pragma once
 
 #include <cstdint>
@@ -8,32 +9,41 @@
 #include <string>
 #include <vector>
 
+#include "locks/forward.h"
 #include "locks/kv_cache.h"
 #include "locks/model.h"
 #include "locks/selector.h"
 
 namespace locks {
 
+class CpuForward;
+
 /// The longest context a Session accepts, in tokens (2^26; the page ids of a pool stay 32-bit).
 constexpr int kMaxContextTokens = 1 << 26;
+
+/// Where the forward pass runs.
+enum class Device { kCpu, kCuda };
+std::string device_name(Device d);          // "cpu" / "cuda"
+Device parse_device(const std::string& s);  // throws std::invalid_argument on anything else
+
+/// The GPU engine's own settings (SessionConfig::device == Device::kCuda).
+struct CudaSessionOptions {
+  bool kv_bf16 = true;  // KV cache elements bf16 (else f16); SessionConfig::kv_dtype is the CPU's
+  /// Matrix weights on the GPU: bf16, or float32 (the CPU engine's arithmetic, for models whose float32
+  /// weights take at most 2 GiB: auto picks it for those, bf16 above).
+  enum class Weights { kAuto, kBF16, kF32 } weights = Weights::kAuto;
+  int gpu = -1;  // CUDA device ordinal; -1: the current one
+};
 
 struct SessionConfig {
   int n_ctx = 0;                  // max tokens; 0 = the model's training context (negative: refused)
   KvDtype kv_dtype = KvDtype::F16;
-  std::string selector = "full";  // see selector_names()
+  std::string selector = "full";  // see selector_names(); with Device::kCuda: full or locks
   int budget_tokens = 512;        // b = k * B tokens per KV head (multiple of B, >= 2B)
   SelectorOptions selector_opts;
-  int prefill_chunk = 512;        // tokens per prefill forward (bounds activation memory)
-};
-
-/// Work done by decode steps, summed (bytes are per step summed over layers and KV heads).
-struct DecodeTotals {
-  int64_t steps = 0;
-  double bytes_read = 0;        // selector reads + K/V of attended pages
-  double dense_bytes = 0;       // K/V of every page (what full attention reads)
-  double select_seconds = 0;
-  double attend_seconds = 0;
-  double seconds = 0;           // whole decode steps
+  int prefill_chunk = 0;          // tokens per prefill forward (bounds activation memory); 0: 512 CPU, 4096 CUDA
+  Device device = Device::kCpu;
+  CudaSessionOptions cuda;
 };
 
 /// Sees the selections of a Session's decode steps (Session::set_observer): what an evaluation
@@ -55,9 +65,14 @@ class DecodeObserver {
 class Session {
  public:
   /// Throws std::invalid_argument for a bad budget (not a multiple of the page size or < 2 pages),
-  /// an unknown selector, or a context (cfg.n_ctx, or the model's when it is 0) outside [1, 2^26].
+  /// an unknown selector, a context (cfg.n_ctx, or the model's when it is 0) outside [1, 2^26], or,
+  /// on CUDA, a selector or shape the GPU engine does not run; std::runtime_error naming what is
+  /// missing when Device::kCuda has no usable GPU, no cuBLAS or too little GPU memory (or the build
+  /// has no CUDA backend).
   Session(const LlamaModel& model, const SessionConfig& cfg);
+  /// CPU sessions only (a GPU sequence is not copied): throws std::logic_error on CUDA.
   Session(const Session& other);
+  ~Session();
   /// A copy of this session's sequence (cache and last logits) that decodes with another selector
   /// and budget (`cfg.selector`, `cfg.budget_tokens`, `cfg.selector_opts`; n_ctx and dtype are
   /// kept). The new selector's per-page metadata is built for every full page (batched), exactly as
@@ -81,36 +96,38 @@ class Session {
   /// One decode step for `token` through the selector; returns logits [n_vocab].
   const std::vector<float>& decode(int32_t token);
 
-  int32_t n_tokens() const { return seq_.n_tokens; }
+  int32_t n_tokens() const;
   /// Logits [n_vocab] of the last token processed (empty before the first forward).
   const std::vector<float>& logits() const { return logits_; }
   int n_ctx() const { return n_ctx_; }
+  Device device() const { return cfg_.device; }
   const DecodeTotals& totals() const { return totals_; }
-  const PagedKvCache& cache() const { return cache_; }
-  const KvSequence& sequence() const { return seq_; }
-  const Selector& selector() const { return *selector_; }
+  /// The CPU engine's cache, sequence and selector: std::logic_error on CUDA (the cache is on the GPU).
+  const PagedKvCache& cache() const;
+  const KvSequence& sequence() const;
+  const Selector& selector() const;
   const LlamaModel& model() const { return model_; }
   int budget_pages() const { return budget_pages_; }
   /// Attach an observer that sees every (layer, KV head) selection of later decode steps (nullptr
-  /// detaches). Not owned; must outlive its use. Copies and forks start without one.
-  void set_observer(DecodeObserver* observer) { observer_ = observer; }
+  /// detaches). Not owned; must outlive its use. Copies and forks start without one. CPU only: a
+  /// non-null observer on CUDA throws std::logic_error.
+  void set_observer(DecodeObserver* observer);
 
  private:
   void forward(std::span<const int32_t> tokens, bool decode_step);
   static int check_budget(int budget_tokens, int page_size);
   Session fork_with(const SessionConfig& cfg, std::unique_ptr<Selector> selector) const;
+  CpuForward& cpu(const char* what) const;
 
   const LlamaModel& model_;
   SessionConfig cfg_;
   int n_ctx_ = 0;
   int budget_pages_ = 0;
-  PagedKvCache cache_;
-  KvSequence seq_;
-  std::unique_ptr<Selector> selector_;
-  std::vector<double> inv_freq_;  // RoPE: base^(-2i/n_rot)
+  int prefill_chunk_ = 0;
+  std::unique_ptr<ForwardOps> ops_;  // the device's operations
+  CpuForward* cpu_ = nullptr;        // ops_ on the CPU
   std::vector<float> logits_;
   DecodeTotals totals_;
-  DecodeObserver* observer_ = nullptr;
 };
 
 }  // namespace locks

@@ -25,7 +25,7 @@
 #define SKIP_WITHOUT_CUDA()                                 \
   do {                                                      \
     std::string why_;                                       \
-    if (!lc::device_available(&why_)) GTEST_SKIP() << why_; \
+    if (!::locks::cuda::device_available(&why_)) GTEST_SKIP() << why_; \
   } while (0)
 
 namespace locks::test {

@@ -98,7 +98,7 @@ struct SummaryBuildParams {
   KvType dtype = KvType::kF16;
   int n_head_kv = 0;
   int head_dim = 0;
-  const int32_t* pages = nullptr;  // [n_pages] page ids to summarise (full pages)
+  const int32_t* pages = nullptr;  // [n_pages] page ids to summarise (full pages); -1: skipped
   int n_pages = 0;
   int n_pages_pool = 0;
   uint8_t* records = nullptr;  // [n_head_kv][n_pages_pool][record_bytes]

@@ -1,0 +1,244 @@
+// ForwardOps on the CPU (cpu_forward.h): each operation of llama_forward on float32 host buffers.
+#include "cpu_forward.h"
+
+#include <Eigen/Core>
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <stdexcept>
+
+#include <fmt/format.h>
+
+#include "locks/attention.h"
+#include "locks/parallel_for.h"
+
+namespace locks {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using MapC = Eigen::Map<const RowMat>;
+
+// y[T][W.rows] = x[T][W.cols] * W^T (Eigen kernels; each thread owns a slice of W's rows, so the
+// weights are read once in total and no thread pool other than OpenMP's is involved).
+void matmul(const float* x, int T, const Matrix& W, float* y) {
+  const MapC X(x, T, W.cols);
+  Eigen::Map<RowMat> Y(y, T, W.rows);
+#pragma omp parallel
+  {
+    const int nt = omp_get_num_threads(), it = omp_get_thread_num();
+    const int chunk = (W.rows + nt - 1) / nt;
+    const int r0 = std::min(W.rows, it * chunk), r1 = std::min(W.rows, r0 + chunk);
+    if (r1 > r0) {
+      const MapC Wt(W.data.data() + size_t(r0) * W.cols, r1 - r0, W.cols);
+      if (T == 1)
+        Y.row(0).segment(r0, r1 - r0).noalias() = (Wt * X.row(0).transpose()).transpose();
+      else
+        Y.middleCols(r0, r1 - r0).noalias() = X * Wt.transpose();
+    }
+  }
+}
+
+// RMSNorm: out = x / sqrt(mean(x^2) + eps) * w, per row of n.
+void rmsnorm(const float* x, const float* w, int T, int n, float eps, float* out) {
+  for (int t = 0; t < T; ++t) {
+    const float* xr = x + size_t(t) * n;
+    double ss = 0.0;
+    for (int i = 0; i < n; ++i) ss += double(xr[i]) * xr[i];
+    const float inv = float(1.0 / std::sqrt(ss / n + eps));
+    float* o = out + size_t(t) * n;
+    for (int i = 0; i < n; ++i) o[i] = xr[i] * inv * w[i];
+  }
+}
+
+// RoPE "normal" (llama.cpp LLAMA): rotate interleaved pairs (2i, 2i+1) of the first n_rot dims of
+// each head by pos * base^(-2i/n_rot). v: [n_heads][head_dim] of one token.
+void rope(float* v, int n_heads, int head_dim, int n_rot, int32_t pos, const std::vector<double>& inv_freq) {
+  for (int i = 0; i < n_rot / 2; ++i) {
+    const double a = double(pos) * inv_freq[i];
+    const float c = float(std::cos(a)), s = float(std::sin(a));
+    for (int h = 0; h < n_heads; ++h) {
+      float* p = v + size_t(h) * head_dim + 2 * i;
+      const float x0 = p[0], x1 = p[1];
+      p[0] = x0 * c - x1 * s;
+      p[1] = x0 * s + x1 * c;
+    }
+  }
+}
+
+}  // namespace
+
+CpuForward::CpuForward(const LlamaModel& model, const KvCacheConfig& cache_cfg, std::unique_ptr<Selector> selector,
+                       int budget_pages)
+    : model_(model), cache_(cache_cfg), selector_(std::move(selector)), budget_pages_(budget_pages) {
+  const auto& hp = model.hp;
+  for (int i = 0; i < hp.n_rot / 2; ++i) inv_freq_.push_back(std::pow(double(hp.rope_freq_base), -2.0 * i / hp.n_rot));
+  logits_.assign(hp.n_vocab, 0.0f);
+}
+
+CpuForward::CpuForward(const CpuForward& o)
+    : model_(o.model_),
+      cache_(o.cache_),
+      seq_(o.seq_),
+      selector_(o.selector_->clone()),
+      budget_pages_(o.budget_pages_),
+      inv_freq_(o.inv_freq_),
+      logits_(o.logits_) {}
+
+void CpuForward::set_selector(std::unique_ptr<Selector> selector, int budget_pages) {
+  selector_ = std::move(selector);
+  budget_pages_ = budget_pages;
+}
+
+bool CpuForward::begin(const ForwardStep& step) {
+  const LlamaHparams& hp = model_.hp;
+  const size_t T = step.tokens.size();
+  tokens_ = step.tokens;
+  decode_ = step.decode;
+  totals_ = step.totals;
+  const int B = cache_.page_size();
+  pos0_ = cache_.append_tokens(seq_, int(T));
+  // Pages that this forward completes; their summaries are built per layer once K is written.
+  filled_.clear();
+  for (int32_t p = pos0_ / B; p < seq_.n_tokens / B; ++p) filled_.push_back(seq_.page_table[p]);
+  x_.resize(T * hp.n_embd);
+  xn_.resize(T * hp.n_embd);
+  q_.resize(T * hp.n_head * hp.head_dim);
+  att_.resize(q_.size());
+  k_.resize(T * hp.n_head_kv * hp.head_dim);
+  v_.resize(k_.size());
+  gate_.resize(T * hp.n_ff);
+  up_.resize(gate_.size());
+  tmp_.resize(x_.size());
+  return true;
+}
+
+void CpuForward::embed() {
+  const int E = model_.hp.n_embd;
+  for (size_t t = 0; t < tokens_.size(); ++t)
+    std::copy_n(&model_.tok_embd.data[size_t(tokens_[t]) * E], E, &x_[t * E]);
+}
+
+void CpuForward::rmsnorm(int il, NormWeight w) {
+  const LlamaHparams& hp = model_.hp;
+  const int T = int(tokens_.size()), E = hp.n_embd;
+  if (w == NormWeight::kOutput)  // logits of the last token only
+    locks::rmsnorm(&x_[size_t(T - 1) * E], model_.output_norm.data(), 1, E, hp.rms_eps, xn_.data());
+  else
+    locks::rmsnorm(x_.data(), (w == NormWeight::kAttention ? model_.layers[il].attn_norm : model_.layers[il].ffn_norm).data(),
+                   T, E, hp.rms_eps, xn_.data());
+}
+
+void CpuForward::qkv(int il) {
+  const LlamaLayer& L = model_.layers[il];
+  const int T = int(tokens_.size());
+  matmul(xn_.data(), T, L.wq, q_.data());
+  matmul(xn_.data(), T, L.wk, k_.data());
+  matmul(xn_.data(), T, L.wv, v_.data());
+}
+
+void CpuForward::rope_append(int il) {
+  const LlamaHparams& hp = model_.hp;
+  const int NH = hp.n_head, NKV = hp.n_head_kv, HD = hp.head_dim;
+  for (size_t t = 0; t < tokens_.size(); ++t) {
+    const int32_t pos = pos0_ + int32_t(t);
+    rope(&q_[t * NH * HD], NH, HD, hp.n_rot, pos, inv_freq_);
+    rope(&k_[t * NKV * HD], NKV, HD, hp.n_rot, pos, inv_freq_);
+    try {
+      cache_.write(il, seq_, pos, &k_[t * NKV * HD], &v_[t * NKV * HD]);  // append
+    } catch (const std::invalid_argument& e) {  // names the model, not only the cache
+      throw std::runtime_error(fmt::format("model '{}': the forward pass gave token {} of layer {} a key or value "
+                                           "the KV cache cannot store (NaN/Inf in the weights?): {}",
+                                           model_.name, pos, il, e.what()));
+    }
+  }
+  if (!filled_.empty()) selector_->on_pages_filled(cache_, il, filled_);  // Alg. 1, batched
+}
+
+void CpuForward::attention(int il) {
+  const LlamaHparams& hp = model_.hp;
+  const int T = int(tokens_.size());
+  const int NH = hp.n_head, NKV = hp.n_head_kv, HD = hp.head_dim, G = hp.n_group();
+  const float scale = 1.0f / std::sqrt(float(HD));
+  if (!decode_) {
+    // The last layer's outputs feed only the last token's logits: its other rows' attention is
+    // skipped (those rows of att keep stale values; what follows is row-wise and unused).
+    const int first_query = il == hp.n_layer - 1 ? T - 1 : 0;
+    paged_prefill_attention(cache_, il, seq_, pos0_, T, q_.data(), NH, scale, att_.data(), first_query);
+    return;
+  }
+  // Alg. 2 per GQA group: select pages from the group's queries, then exact attention over them.
+  const bool observed = observer_ && observer_->enabled();
+  std::vector<Selection> sel(NKV);
+  const auto t_sel = Clock::now();
+  parallel_for(NKV, [&](int h) {
+    SelectionRequest req;
+    req.q = &q_[size_t(h) * G * HD];
+    req.n_group = G;
+    req.il = il;
+    req.kv_head = h;
+    req.seq = &seq_;
+    req.budget_pages = budget_pages_;
+    req.want_estimates = observed;
+    if (seq_.n_pages() <= budget_pages_) {
+      // The budget covers every page: attention is dense, nothing to score or read twice.
+      sel[h].pages.resize(seq_.n_pages());
+      for (int32_t j = 0; j < seq_.n_pages(); ++j) sel[h].pages[j] = j;
+      sel[h].bytes_read = 0;
+      sel[h].all_pages = true;
+    } else {
+      selector_->select(cache_, req, sel[h]);
+    }
+  });
+  const auto t_att = Clock::now();
+  parallel_for(NKV, [&](int h) {
+    paged_decode_attention(cache_, il, h, seq_, sel[h].pages, &q_[size_t(h) * G * HD], G, scale,
+                           &att_[size_t(h) * G * HD], nullptr);
+  });
+  if (totals_) {
+    totals_->select_seconds += std::chrono::duration<double>(t_att - t_sel).count();
+    totals_->attend_seconds += seconds_since(t_att);
+  }
+  if (observed) {
+    parallel_for(NKV, [&](int h) {
+      observer_->observe(cache_, seq_, *selector_, il, h, &q_[size_t(h) * G * HD], G, budget_pages_, sel[h]);
+    });
+  }
+  if (totals_)
+    for (int h = 0; h < NKV; ++h) {
+      totals_->bytes_read += double(step_bytes_read(cache_, seq_, sel[h]));
+      totals_->dense_bytes += double(cache_.kv_bytes(seq_.n_tokens));
+    }
+}
+
+void CpuForward::project_add(int il, Projection p) {
+  const LlamaLayer& L = model_.layers[il];
+  const int T = int(tokens_.size());
+  if (p == Projection::kOutput)
+    matmul(att_.data(), T, L.wo, tmp_.data());
+  else
+    matmul(gate_.data(), T, L.w_down, tmp_.data());
+  for (size_t i = 0; i < x_.size(); ++i) x_[i] += tmp_[i];
+}
+
+void CpuForward::gate_up_swiglu(int il) {
+  const LlamaLayer& L = model_.layers[il];
+  const int T = int(tokens_.size());
+  matmul(xn_.data(), T, L.w_gate, gate_.data());
+  matmul(xn_.data(), T, L.w_up, up_.data());
+  for (size_t i = 0; i < gate_.size(); ++i) gate_[i] = gate_[i] / (1.0f + std::exp(-gate_[i])) * up_[i];
+}
+
+void CpuForward::logits() { matmul(xn_.data(), 1, model_.output_matrix(), logits_.data()); }
+
+void CpuForward::read_logits(int seq, std::span<float> out) {
+  if (seq != 0 || out.size() != logits_.size()) throw std::invalid_argument("CpuForward: one sequence, n_vocab logits");
+  std::copy(logits_.begin(), logits_.end(), out.begin());
+}
+
+}  // namespace locks

@@ -1,0 +1,161 @@
+// The whole model on the GPU (Session with Device::kCuda) against external references and the CPU
+// engine: llama2.c's 200 stories260K tokens, the reference model's greedy tokens and logits, and a
+// decode graph captured at a short context replayed at 64K tokens. Skips without a GPU.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "locks/generate.h"
+#include "locks/model.h"
+#include "locks/session.h"
+#include "test_paths.h"
+#include "test_util.h"
+
+#ifdef LOCKS_WITH_CUDA
+#include "cuda/cuda_fixture.h"
+#endif
+
+using namespace locks;
+
+#ifdef LOCKS_WITH_CUDA
+namespace {
+
+double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    den += double(b[i]) * b[i];
+  }
+  return std::sqrt(num / den);
+}
+
+SessionConfig gpu_config(const std::string& selector, CudaSessionOptions::Weights w) {
+  SessionConfig sc;
+  sc.device = Device::kCuda;
+  sc.selector = selector;
+  sc.cuda.weights = w;
+  sc.cuda.kv_bf16 = false;  // f16 KV, as the CPU engine's default
+  return sc;
+}
+
+std::vector<int32_t> greedy(Session& s, const std::vector<int32_t>& prompt, int n) {
+  GenerateOptions go;
+  go.max_tokens = n;
+  go.stop_at_eos = false;
+  return generate(s, prompt, go).generated_ids;
+}
+
+}  // namespace
+
+// llama2.c's run.c output from BOS, token for token (float32 weights on the GPU: this model's
+// smallest greedy margin is 0.019 logits at token 185, below what bf16 weights perturb).
+TEST(CudaEngine, Stories260KGreedyMatchesLlama2c) {
+  SKIP_WITHOUT_CUDA();
+  if (!test::shared_available()) GTEST_SKIP() << "../shared not present";
+  std::ifstream in(test::shared_path("models/stories260K.reference.json"));
+  const auto ref = nlohmann::json::parse(in);
+  const LlamaModel model = LlamaModel::load(test::shared_path("models/stories260K-f32.gguf"));
+  const auto expected = ref["greedy_from_bos"]["generated_ids"].get<std::vector<int32_t>>();
+  Session s(model, gpu_config("full", CudaSessionOptions::Weights::kAuto));
+  EXPECT_EQ(greedy(s, {1}, int(expected.size())), expected);
+}
+
+// The reference model on the GPU, LOCKS at a 512-token budget as `locks run` runs it: the CPU
+// engine's greedy tokens (float32 weights), and the last prompt position's logits within relative
+// L2 1e-2 of the CPU's with bf16 weights (5e-3 with float32: the prefill attention rounds its
+// probabilities to the KV type, 2^-11 with f16).
+TEST(CudaEngine, LocksRefMatchesTheCpuEngine) {
+  SKIP_WITHOUT_CUDA();
+  const LlamaModel model = LlamaModel::load(test::source_path("models/locks-ref-a-q8_0.gguf"));
+  std::ifstream f(test::source_path("examples/needle-8k.txt"));
+  const std::string text((std::istreambuf_iterator<char>(f)), {});
+  const std::vector<int32_t> ids = model.tokenizer.encode(text, model.tokenizer.add_bos());
+  ASSERT_GT(ids.size(), 8000u);
+  SessionConfig cpu_cfg;
+  cpu_cfg.selector = "locks";
+  Session cpu(model, cpu_cfg);
+  const std::vector<float> cpu_logits = cpu.prefill(ids);
+  for (auto w : {CudaSessionOptions::Weights::kF32, CudaSessionOptions::Weights::kBF16}) {
+    Session gpu(model, gpu_config("locks", w));
+    const double err = rel_l2(gpu.prefill(ids), cpu_logits);
+    std::printf("[ engine ] %s weights: last-logit relative L2 vs CPU %.2e\n",
+                w == CudaSessionOptions::Weights::kF32 ? "f32" : "bf16", err);
+    EXPECT_LT(err, w == CudaSessionOptions::Weights::kF32 ? 5e-3 : 1e-2) << "relative L2 of the last logits";
+  }
+  // The default run: the question's last 24 tokens through decode (selection runs), then 32 tokens.
+  GenerateOptions go;
+  go.max_tokens = 32;
+  go.decode_tail = 24;
+  Session c2(model, cpu_cfg);
+  const auto want = generate(c2, ids, go).generated_ids;
+  Session gpu(model, gpu_config("locks", CudaSessionOptions::Weights::kF32));
+  const auto got = generate(gpu, ids, go);
+  EXPECT_EQ(got.generated_ids, want);
+  EXPECT_GT(got.decode.bytes_read, 0);
+  EXPECT_LT(got.decode.bytes_read, 0.5 * got.decode.dense_bytes);  // LOCKS read less than dense
+}
+
+// One CUDA graph per step shape, captured at 4K tokens, replayed at 64K: lengths, page tables and
+// plans live on the device. Against the CPU engine making the same calls: a stale length or page
+// table would give other logits altogether; 2e-2 leaves room for pages whose summary scores tie
+// within the GPU build's float32 eigenvectors (random tokens attend diffusely).
+TEST(CudaEngine, GraphCapturedAt4KStaysCorrectAt64K) {
+  SKIP_WITHOUT_CUDA();
+  const LlamaModel model = LlamaModel::load(test::source_path("models/locks-ref-a-q8_0.gguf"));
+  std::vector<int32_t> ids(65536 + 40);
+  uint32_t x = 12345;
+  for (auto& t : ids) t = int32_t(3 + (x = x * 1664525u + 1013904223u) % uint32_t(model.hp.n_vocab - 3));
+  SessionConfig cpu_cfg;
+  cpu_cfg.selector = "locks";
+  cpu_cfg.n_ctx = 70000;
+  SessionConfig gpu_cfg = gpu_config("locks", CudaSessionOptions::Weights::kF32);
+  gpu_cfg.n_ctx = 70000;
+  Session cpu(model, cpu_cfg), gpu(model, gpu_cfg);
+  const std::span<const int32_t> all(ids);
+  auto both = [&](auto&& f) {
+    f(cpu);
+    f(gpu);
+  };
+  both([&](Session& s) { s.prefill(all.subspan(0, 4096)); });
+  for (int i = 0; i < 20; ++i) {  // captures the step graphs (a page fills on one of them)
+    cpu.decode(ids[4096 + i]);
+    EXPECT_LT(rel_l2(gpu.decode(ids[4096 + i]), cpu.logits()), 2e-2) << "step " << i << " at 4K";
+  }
+  both([&](Session& s) { s.prefill(all.subspan(4116, 65536 - 4116)); });
+  for (int i = 0; i < 20; ++i) {
+    cpu.decode(ids[65536 + i]);
+    EXPECT_LT(rel_l2(gpu.decode(ids[65536 + i]), cpu.logits()), 2e-2) << "step " << i << " at 64K";
+  }
+  EXPECT_EQ(gpu.n_tokens(), cpu.n_tokens());
+}
+
+// What the GPU engine refuses, in words: selectors it does not run, and the CPU-only accessors.
+TEST(CudaEngine, RefusesWhatItDoesNotRun) {
+  SKIP_WITHOUT_CUDA();
+  const LlamaModel model = LlamaModel::load(test::source_path("models/locks-ref-a-q8_0.gguf"));
+  const std::string quest = test::error_of<std::invalid_argument>(
+      [&] { Session s(model, gpu_config("quest", CudaSessionOptions::Weights::kAuto)); });
+  EXPECT_NE(quest.find("selector 'quest' runs on the CPU only"), std::string::npos) << quest;
+  SessionConfig r4 = gpu_config("locks", CudaSessionOptions::Weights::kAuto);
+  r4.selector_opts.summary.rank = 4;
+  const std::string rank = test::error_of<std::invalid_argument>([&] { Session s(model, r4); });
+  EXPECT_NE(rank.find("--device cuda runs LOCKS with its shipped summary"), std::string::npos) << rank;
+  Session s(model, gpu_config("full", CudaSessionOptions::Weights::kAuto));
+  const std::string cache = test::error_of<std::logic_error>([&] { (void)s.cache(); });
+  EXPECT_NE(cache.find("the sequence is on the GPU"), std::string::npos) << cache;
+}
+
+#else
+TEST(CudaEngine, NotBuiltWithCuda) {
+  const LlamaModel model = LlamaModel::load(test::source_path("models/locks-ref-a-q8_0.gguf"));
+  SessionConfig sc;
+  sc.device = Device::kCuda;
+  EXPECT_THROW(Session(model, sc), std::runtime_error);
+}
+#endif
