@@ -24,13 +24,13 @@
 
 using namespace locks::cuda::detail;
 
-#define CK(x)                                                                        \
-  do {                                                                               \
-    cudaError_t e_ = (x);                                                            \
-    if (e_ != cudaSuccess) {                                                         \
+#define CK(x)                                                                              \
+  do {                                                                                     \
+    cudaError_t e_ = (x);                                                                  \
+    if (e_ != cudaSuccess) {                                                               \
       std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      std::exit(1);                                                                  \
-    }                                                                                \
+      std::exit(1);                                                                        \
+    }                                                                                      \
   } while (0)
 
 constexpr int REC = 832;
@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(128) chunk_ldg(const uint8_t* recs, int chunk,
   uint32_t acc = 0;
   constexpr int PER = 8 * CPR / 32;  // 13 pieces per lane per octet
   uint4 cur[PER], nxt[PER];
-  auto load = [&](int o, uint4 (&v)[PER]) {
+  auto load = [&](int o, uint4(&v)[PER]) {
     const uint4* base = reinterpret_cast<const uint4*>(recs + size_t(o) * 8 * REC);
 #pragma unroll
     for (int j = 0; j < PER; ++j) v[j] = (o * 8 < r1) ? __ldcs(base + j * 32 + lane) : make_uint4(0, 0, 0, 0);
@@ -195,8 +195,9 @@ int main(int argc, char** argv) {
     auto report = [&](const char* name, float ms) {
       std::printf("b%d %-30s %8.1f us %8.0f GB/s\n", batch, name, ms * 1e3f, double(bytes) / (ms * 1e-3) / 1e9);
     };
-    report("linear-ldg", time_median([&] { linear_ldg<<<n_sm * 8, 256>>>(reinterpret_cast<const uint4*>(recs), bytes / 16, sink); },
-                                     fl));
+    report("linear-ldg",
+           time_median([&] { linear_ldg<<<n_sm * 8, 256>>>(reinterpret_cast<const uint4*>(recs), bytes / 16, sink); },
+                       fl));
     for (int ctas_per_sm : {3, 4}) {
       const int grid = n_sm * ctas_per_sm;
       const int chunk = (n_rec + grid - 1) / grid / 32 * 32 + 32;

@@ -19,13 +19,34 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     // Typed getters on every key: wrong types must throw, never misbehave.
     for (const auto& [key, value] : f.metadata()) {
-      try { (void)f.get_u32(key); } catch (const std::exception&) {}
-      try { (void)f.get_f32(key); } catch (const std::exception&) {}
-      try { (void)f.get_bool_or(key, false); } catch (const std::exception&) {}
-      try { (void)f.get_string(key); } catch (const std::exception&) {}
-      try { (void)f.get_string_array(key); } catch (const std::exception&) {}
-      try { (void)f.get_f32_array(key); } catch (const std::exception&) {}
-      try { (void)f.get_i32_array(key); } catch (const std::exception&) {}
+      try {
+        (void)f.get_u32(key);
+      } catch (const std::exception&) {
+      }
+      try {
+        (void)f.get_f32(key);
+      } catch (const std::exception&) {
+      }
+      try {
+        (void)f.get_bool_or(key, false);
+      } catch (const std::exception&) {
+      }
+      try {
+        (void)f.get_string(key);
+      } catch (const std::exception&) {
+      }
+      try {
+        (void)f.get_string_array(key);
+      } catch (const std::exception&) {
+      }
+      try {
+        (void)f.get_f32_array(key);
+      } catch (const std::exception&) {
+      }
+      try {
+        (void)f.get_i32_array(key);
+      } catch (const std::exception&) {
+      }
     }
     if (f.has_key("tokenizer.ggml.tokens")) {
       const locks::Tokenizer tok = locks::Tokenizer::from_gguf(f);

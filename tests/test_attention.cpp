@@ -9,9 +9,9 @@
 #include <random>
 #include <vector>
 
-#include "test_util.h"
 #include "locks/attention.h"
 #include "locks/kv_cache.h"
+#include "test_util.h"
 
 using namespace locks;
 
@@ -35,7 +35,8 @@ struct Fixture {
   float v(int il, int t, int h, int c) const { return V[il][(size_t(t) * cfg.n_head_kv + h) * cfg.head_dim + c]; }
 };
 
-Fixture make_fixture(std::mt19937& rng, int n_layer, int n_head_kv, int d, int n_tokens, KvDtype dt, int extra_pages = 4) {
+Fixture make_fixture(std::mt19937& rng, int n_layer, int n_head_kv, int d, int n_tokens, KvDtype dt,
+                     int extra_pages = 4) {
   Fixture f;
   f.cfg.n_layer = n_layer;
   f.cfg.n_head_kv = n_head_kv;
@@ -101,8 +102,8 @@ std::vector<int> tokens_of_pages(const Fixture& f, const std::vector<int32_t>& p
   return toks;
 }
 
-void expect_decode_matches(const Fixture& f, int il, int h, const std::vector<int32_t>& pages, const std::vector<float>& q,
-                           int G, const char* what) {
+void expect_decode_matches(const Fixture& f, int il, int h, const std::vector<int32_t>& pages,
+                           const std::vector<float>& q, int G, const char* what) {
   const int d = f.cfg.head_dim;
   const float scale = 1.0f / std::sqrt(float(d));
   std::vector<float> o(size_t(G) * d, 123.0f), lse(G, 123.0f);
@@ -307,8 +308,7 @@ void check_prefill(std::mt19937& rng, KvDtype dt, int n_head_kv, int G, int d, c
             l += p;
             for (int c = 0; c < d; ++c) o[c] += p * V[il][(size_t(s) * H + h) * d + c];
           }
-          for (int c = 0; c < d; ++c)
-            worst = std::max(worst, std::abs(out[(size_t(t) * NH + hq) * d + c] - o[c] / l));
+          for (int c = 0; c < d; ++c) worst = std::max(worst, std::abs(out[(size_t(t) * NH + hq) * d + c] - o[c] / l));
         }
       }
       EXPECT_LT(worst, 2e-5) << "chunk at pos0=" << pos0 << " n_q=" << n_q << " il=" << il;
@@ -345,7 +345,8 @@ TEST(Attention, PrefillLastRowEqualsDecode) {
   paged_prefill_attention(*f.cache, 0, f.seq, len - 1, 1, q.data(), H * G, 0.125f, out.data());
   for (int h = 0; h < H; ++h) {
     std::vector<float> o(size_t(G) * d);
-    paged_decode_attention(*f.cache, 0, h, f.seq, all_pages(f.seq), &q[size_t(h) * G * d], G, 0.125f, o.data(), nullptr);
+    paged_decode_attention(*f.cache, 0, h, f.seq, all_pages(f.seq), &q[size_t(h) * G * d], G, 0.125f, o.data(),
+                           nullptr);
     for (int i = 0; i < G * d; ++i) EXPECT_NEAR(out[size_t(h) * G * d + i], o[i], 1e-5);
   }
 }
@@ -354,7 +355,9 @@ TEST(Attention, DecodeLargePagesOrHeadsAreCorrectOrRejected) {
   // Configurations beyond the kernel's fixed buffers (page_size > 32, or B * head_dim > 8192) must
   // either be computed correctly or be rejected with std::invalid_argument, never corrupt memory.
   std::mt19937 rng(206);
-  struct Case { int B, d; };
+  struct Case {
+    int B, d;
+  };
   for (const Case c : {Case{64, 64}, Case{48, 32}, Case{16, 576}, Case{32, 256}, Case{8, 80}}) {
     SCOPED_TRACE(testing::Message() << "B=" << c.B << " d=" << c.d);
     KvCacheConfig cfg;

@@ -4,7 +4,6 @@
 #include <gtest/gtest.h>
 
 #include <Eigen/Dense>
-
 #include <algorithm>
 #include <cmath>
 #include <fstream>
@@ -17,7 +16,6 @@
 #include <string>
 #include <vector>
 
-#include "test_util.h"
 #include "locks/kv_cache.h"
 #include "locks/model.h"
 #include "locks/page_summary.h"
@@ -26,6 +24,7 @@
 #include "locks/shared_basis.h"
 #include "selectors/selectors.h"
 #include "test_paths.h"
+#include "test_util.h"
 
 using namespace locks;
 
@@ -97,7 +96,8 @@ Keys page_keys(std::mt19937& rng, int L, int H, int d, int n_tokens, bool f16 = 
         for (int i = p * B; i < std::min(n_tokens, (p + 1) * B); ++i) {
           const double a0 = 1.5 * N(rng), a1 = N(rng), a2 = 0.5 * N(rng);
           for (int c = 0; c < d; ++c) {
-            float x = float(base[c] + center[c] + a0 * dirs[c] + a1 * dirs[d + c] + a2 * dirs[2 * d + c] + 0.1 * N(rng));
+            float x =
+                float(base[c] + center[c] + a0 * dirs[c] + a1 * dirs[d + c] + a2 * dirs[2 * d + c] + 0.1 * N(rng));
             if (f16) x = f16_to_f32(f32_to_f16(x));
             k[size_t(i) * d + c] = x;
           }
@@ -312,8 +312,12 @@ TEST(BaselineSelectors, MatchedBytesRank) {
           const size_t L = f.bytes(16, d);
           ASSERT_GE(rho, 1);
           ASSERT_LE(rho, d);
-          if (rho > 1) { EXPECT_LE(shared_basis_page_bytes(f, 16, d, rho), L) << f.describe(); }
-          if (rho < d) { EXPECT_GT(shared_basis_page_bytes(f, 16, d, rho + 1), L) << f.describe(); }
+          if (rho > 1) {
+            EXPECT_LE(shared_basis_page_bytes(f, 16, d, rho), L) << f.describe();
+          }
+          if (rho < d) {
+            EXPECT_GT(shared_basis_page_bytes(f, 16, d, rho + 1), L) << f.describe();
+          }
         }
   // The registry's default rank for the shared scopes is the matched one.
   KvCacheConfig cfg;
@@ -419,10 +423,13 @@ TEST(BaselineSelectors, CentroidEstimateFormula) {
                   sq += std::abs(qg[c]);
                 }
                 const double want = a / std::sqrt(double(d)) + std::log(double(B));
-                const double tol = (cbits == 8 ? sq * 0.51 * amax / 127.0 / std::sqrt(double(d)) : 0.0) + 1e-5 * (1 + std::abs(want));
+                const double tol =
+                    (cbits == 8 ? sq * 0.51 * amax / 127.0 / std::sqrt(double(d)) : 0.0) + 1e-5 * (1 + std::abs(want));
                 EXPECT_NEAR(got, want, tol) << "cbits=" << cbits << " d=" << d << " page " << j;
                 // Jensen: the rank-0 estimate never exceeds the exact page LSE (unquantized).
-                if (cbits == 32) { EXPECT_LE(got, ref_lse(keys, B, qg, d) + 1e-4); }
+                if (cbits == 32) {
+                  EXPECT_LE(got, ref_lse(keys, B, qg, d) + 1e-4);
+                }
               }
             }
           }
@@ -442,7 +449,8 @@ TEST(BaselineSelectors, SecondMomentGaussianEstimate) {
     TestCache tc = make_cache(rng, d, n_tokens, K);
     // r = 16 = B covers the whole page covariance (rank <= 15); r = 4 keeps the top 4 eigenpairs;
     // int8 directions with f16 standard deviations: within quantization tolerance.
-    for (SummaryFormat fmt : {SummaryFormat::unquantized(16), SummaryFormat::unquantized(4), SummaryFormat{16, 8, 8, 8}}) {
+    for (SummaryFormat fmt :
+         {SummaryFormat::unquantized(16), SummaryFormat::unquantized(4), SummaryFormat{16, 8, 8, 8}}) {
       SelectorOptions opts;
       opts.summary = fmt;
       auto sel = make_selector("second-moment", tc.cfg, opts);
@@ -534,7 +542,8 @@ TEST(BaselineSelectors, SequenceBasisIsEq4WithTheFittedBasis) {
               }
             }
             // Bytes: basis once + (centroid + B coefficient rows) per full page + the partial page's K.
-            const size_t page = cbits == 8 ? size_t(d + 2) + size_t(B) * (rho + 2) : size_t(4 * d) + size_t(B) * 4 * rho;
+            const size_t page =
+                cbits == 8 ? size_t(d + 2) + size_t(B) * (rho + 2) : size_t(4 * d) + size_t(B) * 4 * rho;
             EXPECT_EQ(bytes, size_t(rho) * d * 4 + size_t(n_full) * page + size_t(n_tokens - n_full * B) * d * 4);
           }
     }
@@ -624,7 +633,8 @@ TEST(BaselineSelectors, SharedBasisExactWhenKeysSpanAtMostRhoDirections) {
               for (int j = 0; j < prefix.n_tokens / B; ++j) {
                 ASSERT_TRUE(sel->reconstruct_keys(il, h, prefix.page_table[j], rec.data()));
                 for (int x = 0; x < B * d; ++x)
-                  ASSERT_NEAR(rec[x], K[il][h][size_t(j) * B * d + x], 1e-4 * (1 + std::abs(K[il][h][size_t(j) * B * d + x])));
+                  ASSERT_NEAR(rec[x], K[il][h][size_t(j) * B * d + x],
+                              1e-4 * (1 + std::abs(K[il][h][size_t(j) * B * d + x])));
               }
             }
       }
@@ -658,11 +668,14 @@ TEST(BaselineSelectors, GlobalBasisIsEq4WithTheCalibratedBasis) {
             for (int j = 0; j + 1 < n_pages; ++j) {
               for (int g = 0; g < G; ++g) {
                 double tol8 = 0.0;
-                const double want = ref_shared_eq4(&K[il][h][size_t(j) * B * d], &q[size_t(g) * d], gb->of(il, h), rho, d, &tol8);
-                EXPECT_NEAR(est[size_t(g) * n_pages + j], want, (cbits == 8 ? tol8 : 0.0) + 1e-4 * (1 + std::abs(want)));
+                const double want =
+                    ref_shared_eq4(&K[il][h][size_t(j) * B * d], &q[size_t(g) * d], gb->of(il, h), rho, d, &tol8);
+                EXPECT_NEAR(est[size_t(g) * n_pages + j], want,
+                            (cbits == 8 ? tol8 : 0.0) + 1e-4 * (1 + std::abs(want)));
               }
             }
-            const size_t page = cbits == 8 ? size_t(d + 2) + size_t(B) * (rho + 2) : size_t(4 * d) + size_t(B) * 4 * rho;
+            const size_t page =
+                cbits == 8 ? size_t(d + 2) + size_t(B) * (rho + 2) : size_t(4 * d) + size_t(B) * 4 * rho;
             EXPECT_EQ(bytes, size_t(rho) * d * 4 + size_t(n_full) * page + size_t(n_tokens - n_full * B) * d * 4);
             Selection a, b;
             sel->select(*tc.cache, request(tc, q, G, il, h, 4), a);
@@ -714,7 +727,7 @@ TEST(BaselineSelectors, InvariantsAndDocumentedBytes) {
   TestCache tc = make_cache(rng, d, n_tokens, K, KvDtype::F32, C, 4 * B);
   auto gb = std::make_shared<const GlobalBasis>(calibrate_global_basis(*tc.cache, tc.other, d));
   const int n_pages = tc.seq.n_pages(), n_full = n_tokens / B, last = n_tokens - n_full * B;
-  const size_t partial_k = size_t(last) * d * 4;  // f32 cache
+  const size_t partial_k = size_t(last) * d * 4;              // f32 cache
   const int rho = matched_bytes_rank(SummaryFormat{}, B, d);  // 25
   // Documented per-page bytes at the default (shipped) format: r = 8, int4 basis, int8 coef/centroid.
   struct Case {
@@ -945,7 +958,9 @@ TEST(BaselineSelectors, ShortSequencesAndPageAlignedLengths) {
             EXPECT_EQ(bytes, s.bytes_read);
             // Full pages from metadata, the partial page (if any) from its keys.
             EXPECT_GE(bytes, size_t(n_tokens - n_full * B) * d * 4);
-            if (n_full == 0) { EXPECT_EQ(bytes, size_t(n_tokens) * d * 4); }
+            if (n_full == 0) {
+              EXPECT_EQ(bytes, size_t(n_tokens) * d * 4);
+            }
           }
         }
     }

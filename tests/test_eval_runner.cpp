@@ -16,8 +16,8 @@
 #include "locks/eval_runner.h"
 #include "locks/model.h"
 #include "locks/needle_task.h"
-#include "locks/svg_plot.h"
 #include "locks/session.h"
+#include "locks/svg_plot.h"
 #include "locks/text_corpus.h"
 #include "test_paths.h"
 
@@ -53,8 +53,10 @@ void expect_same_rows(const std::vector<EvalRow>& a, const std::vector<EvalRow>&
     EXPECT_EQ(a[i].answer_tokens_correct, b[i].answer_tokens_correct);
     EXPECT_EQ(a[i].decode_steps, b[i].decode_steps);
     EXPECT_EQ(a[i].bytes_read_per_step, b[i].bytes_read_per_step);
-    for (auto [x, y] : {std::pair{a[i].lse_mae, b[i].lse_mae}, {a[i].coverage, b[i].coverage},
-                        {a[i].output_rel_err, b[i].output_rel_err}, {a[i].carrier_retention_any, b[i].carrier_retention_any}})
+    for (auto [x, y] : {std::pair{a[i].lse_mae, b[i].lse_mae},
+                        {a[i].coverage, b[i].coverage},
+                        {a[i].output_rel_err, b[i].output_rel_err},
+                        {a[i].carrier_retention_any, b[i].carrier_retention_any}})
       EXPECT_TRUE(x == y || (std::isnan(x) && std::isnan(y))) << x << " vs " << y;
   }
 }

@@ -1,7 +1,9 @@
 // GGUF reader: the two real models, every value and tensor type on a file written here, and
 // hostile files (each must throw a std::runtime_error naming the problem, never crash).
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <bit>
@@ -11,10 +13,6 @@
 #include <fstream>
 #include <iterator>
 #include <stdexcept>
-
-#include <sys/resource.h>
-
-#include <fmt/format.h>
 
 #include "locks/gguf.h"
 #include "locks/model.h"
@@ -271,7 +269,8 @@ TEST(Gguf, MessagesNameFileAndPlace) {
 
 TEST(Gguf, HostileCounts) {
   // String length far beyond the file.
-  EXPECT_THAT(parse_error(Writer().header(0, 1).u64(1ull << 62).u64(0).u64(0).b), HasSubstr("key length 4611686018427387904 exceeds"));
+  EXPECT_THAT(parse_error(Writer().header(0, 1).u64(1ull << 62).u64(0).u64(0).b),
+              HasSubstr("key length 4611686018427387904 exceeds"));
   auto w = Writer().header(0, 1);
   w.key("s", GgufValue::Type::STRING).u64(~0ull);
   EXPECT_THAT(parse_error(w.b), HasSubstr("key 's': string value length"));
@@ -346,7 +345,8 @@ TEST(Gguf, HostileTensors) {
   EXPECT_THAT(parse_error(one_tensor({}, kF32, 0, 4)), HasSubstr("n_dims 0 out of range"));
   EXPECT_THAT(parse_error(one_tensor({33}, kQ8_0, 0, 68)),
               HasSubstr("row length 33 is not a multiple of the Q8_0 block size 32"));
-  EXPECT_THAT(parse_error(one_tensor({16}, kF32, 16, 128)), HasSubstr("offset 16 is not a multiple of the alignment 32"));
+  EXPECT_THAT(parse_error(one_tensor({16}, kF32, 16, 128)),
+              HasSubstr("offset 16 is not a multiple of the alignment 32"));
   const std::string past = parse_error(one_tensor({32, 2}, kQ8_0, 0, 67), "m.gguf");
   EXPECT_THAT(past, HasSubstr("GGUF 'm.gguf': tensor 'blk.3.attn_k.weight': data runs past end of file (offset "));
   EXPECT_THAT(past, HasSubstr("size 68, file "));
@@ -360,7 +360,8 @@ TEST(Gguf, HostileTensors) {
     return w.b;
   };
   EXPECT_NO_THROW(GgufFile::from_bytes(two(64)));
-  EXPECT_THAT(parse_error(two(32)), HasSubstr("tensor 'b': data at offset 32 overlaps tensor 'a' (offset 0, 64 bytes)"));
+  EXPECT_THAT(parse_error(two(32)),
+              HasSubstr("tensor 'b': data at offset 32 overlaps tensor 'a' (offset 0, 64 bytes)"));
 
   Writer w;
   w.header(2, 0).tensor("t", {8}, kF32, 0).tensor("t", {8}, kF32, 32).pad_to(32);

@@ -1,4 +1,5 @@
 // Paged KV cache: page allocation, pool exhaustion, release, layout and f16/f32 storage.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -13,10 +14,8 @@
 #include <string>
 #include <vector>
 
-#include <fmt/format.h>
-
-#include "test_util.h"
 #include "locks/kv_cache.h"
+#include "test_util.h"
 
 using namespace locks;
 
@@ -158,7 +157,9 @@ TEST(KvCache, WriteReadRoundTripAndLayout) {
             const float vw = dt == KvDtype::F16 ? float(static_cast<_Float16>(v)) : v;
             ASSERT_EQ(kp[size_t(t % B) * d + c], kw) << kv_dtype_name(dt) << " il=" << il << " t=" << t << " h=" << h;
             ASSERT_EQ(vp[size_t(t % B) * d + c], vw);
-            if (dt == KvDtype::F16) { ASSERT_LE(std::abs(kw - k), std::ldexp(std::abs(k), -11) + 6e-8); }
+            if (dt == KvDtype::F16) {
+              ASSERT_LE(std::abs(kw - k), std::ldexp(std::abs(k), -11) + 6e-8);
+            }
           }
           // Raw block: [B][d] of the cache dtype, the same values.
           const void* raw = cache.k_page(il, page, h);
@@ -354,7 +355,8 @@ TEST(KvCache, IndicesOutsideTheCacheThrowNamingThem) {
   bad.page_table[1] = 4;  // not a page of the 4-page pool
   EXPECT_EQ(test::error_of<std::out_of_range>([&] { cache.write(0, bad, 17, k.data(), v.data()); }),
             "KV write: page id 4 outside the pool [0, 4)");
-  EXPECT_EQ(test::error_of<std::out_of_range>([&] { cache.check_layer_head("x", 0, 2); }), "x: KV head 2 outside [0, 2)");
+  EXPECT_EQ(test::error_of<std::out_of_range>([&] { cache.check_layer_head("x", 0, 2); }),
+            "x: KV head 2 outside [0, 2)");
   std::vector<float> buf(16 * 8);
   EXPECT_EQ(test::error_of<std::out_of_range>([&] { cache.k_page_f32(0, 1000000, 0, buf.data()); }),
             "KV cache: (layer 0, page id 1000000, KV head 0) outside [0, 1) x [0, 4) x [0, 2)");

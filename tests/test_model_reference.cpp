@@ -8,7 +8,6 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
-
 #include <nlohmann/json.hpp>
 
 #include "locks/generate.h"
@@ -165,12 +164,15 @@ TEST(ModelReference, SessionRefusesMisusedEntryPoints) {
   const std::unique_ptr<Selector> rank8 = s.prepare_selector(locks_cfg);
   SessionConfig rank2 = locks_cfg;
   rank2.selector_opts.summary.rank = 2;
-  EXPECT_NE(test::error_of<std::invalid_argument>([&] { (void)s.fork(rank2, *rank8); })
-                .find("fork: the prepared selector was made as 'locks r=8 basis=int4"),
+  EXPECT_NE(test::error_of<std::invalid_argument>([&] {
+              (void)s.fork(rank2, *rank8);
+            }).find("fork: the prepared selector was made as 'locks r=8 basis=int4"),
             std::string::npos);
   EXPECT_NO_THROW((void)s.fork(locks_cfg, *rank8));
   GenerateOptions go;
   go.max_tokens = 2;
-  EXPECT_EQ(test::error_of<std::logic_error>([&] { (void)generate(s, {1, 2}, go); }),
+  EXPECT_EQ(test::error_of<std::logic_error>([&] {
+              (void)generate(s, {1, 2}, go);
+            }),
             "generate: the session already holds 5 tokens (generate starts a fresh one)");
 }

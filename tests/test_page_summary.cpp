@@ -12,13 +12,13 @@
 #include <stdexcept>
 #include <vector>
 
-#include "test_util.h"
 #include "locks/kv_cache.h"
 #include "locks/model.h"
 #include "locks/page_summary.h"
 #include "locks/session.h"
 #include "locks/sym_eigen.h"
 #include "test_paths.h"
+#include "test_util.h"
 
 using namespace locks;
 
@@ -417,7 +417,8 @@ TEST(PageSummary, NonFiniteKeysThrow) {
     for (int where : {0, 5 * d + 17, 16 * d - 1}) {
       auto keys = randn(rng, 16 * d);
       keys[where] = bad;
-      EXPECT_THROW(build_page_summary(keys.data(), 16, d, 8), std::invalid_argument) << "bad=" << bad << " at " << where;
+      EXPECT_THROW(build_page_summary(keys.data(), 16, d, 8), std::invalid_argument)
+          << "bad=" << bad << " at " << where;
     }
   }
 }
@@ -458,7 +459,8 @@ TEST(PageSummary, SummaryLogMassMatchesFloat64Eq4) {
 
 namespace {
 // Returns the largest ratio eta / bound seen (for the caller's sanity checks).
-double check_eq7_page(const float* keys, int d, int r, const std::vector<std::vector<float>>& queries, bool use_ref_tail) {
+double check_eq7_page(const float* keys, int d, int r, const std::vector<std::vector<float>>& queries,
+                      bool use_ref_tail) {
   const PageSummaryF32 s = build_page_summary(keys, 16, d, r);
   double tau = s.tail;
   if (use_ref_tail) tau = tail_ref(gram_eigenvalues(centered(keys, 16, d)), r);
@@ -548,7 +550,8 @@ TEST(PageSummary, Eq7BoundOnRealModelPages) {
         std::vector<std::vector<float>> queries;
         const int jl = std::min(n_full - 1, j + 3);
         cache.k_page_f32(il, seq.page_table[jl], (h + 1) % cfg.n_head_kv, later.data());
-        for (int t = 0; t < B; t += 5) queries.emplace_back(later.begin() + size_t(t) * d, later.begin() + size_t(t + 1) * d);
+        for (int t = 0; t < B; t += 5)
+          queries.emplace_back(later.begin() + size_t(t) * d, later.begin() + size_t(t + 1) * d);
         for (int t = 0; t < 3; ++t) queries.push_back(randn(rng, d, 2.0));
         for (int r : {2, 4, 8}) {
           worst = std::max(worst, check_eq7_page(keys.data(), d, r, queries, false));
@@ -630,8 +633,10 @@ TEST(PageSummary, StoreQuantizationErrorBounds) {
       store.store(0, page % 2, page, s);
       const PageSummaryF32 l = store.load(0, page % 2, page);
       const int qb = (1 << (basis_bits - 1)) - 1;
-      for (int k = 0; k < r; ++k) check_symmetric_group(&s.basis[size_t(k) * d], &l.basis[size_t(k) * d], d, qb, "basis column");
-      for (int i = 0; i < 16; ++i) check_symmetric_group(&s.coef[size_t(i) * r], &l.coef[size_t(i) * r], r, 127, "coef row");
+      for (int k = 0; k < r; ++k)
+        check_symmetric_group(&s.basis[size_t(k) * d], &l.basis[size_t(k) * d], d, qb, "basis column");
+      for (int i = 0; i < 16; ++i)
+        check_symmetric_group(&s.coef[size_t(i) * r], &l.coef[size_t(i) * r], r, 127, "coef row");
       check_symmetric_group(s.centroid.data(), l.centroid.data(), d, 127, "centroid");
     }
   }
@@ -694,8 +699,8 @@ TEST(PageSummary, StoreZeroGroupsAreExactZeros) {
 TEST(PageSummary, StoreScoreMatchesLoadedSummary) {
   std::mt19937 rng(45);
   const std::vector<SummaryFormat> formats = {
-      SummaryFormat{8, 4, 8, 8}, SummaryFormat{8, 16, 8, 32}, SummaryFormat{4, 2, 8, 8},
-      SummaryFormat{8, 8, 32, 8}, SummaryFormat::unquantized(8), SummaryFormat{16, 4, 8, 8}, SummaryFormat{1, 4, 8, 8}};
+      SummaryFormat{8, 4, 8, 8},     SummaryFormat{8, 16, 8, 32}, SummaryFormat{4, 2, 8, 8}, SummaryFormat{8, 8, 32, 8},
+      SummaryFormat::unquantized(8), SummaryFormat{16, 4, 8, 8},  SummaryFormat{1, 4, 8, 8}};
   for (const auto& fmt : formats) {
     for (int d : {64, 128}) {
       SCOPED_TRACE(fmt.describe() + " d=" + std::to_string(d));

@@ -1,5 +1,6 @@
 // Page selection (Alg. 2 lines 6-9), the Eq. 8 coverage guarantee, and the selectors chosen by name,
 // checked against float64 reimplementations written here.
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -14,15 +15,13 @@
 #include <stdexcept>
 #include <vector>
 
-#include <fmt/format.h>
-
-#include "test_util.h"
 #include "locks/kv_cache.h"
 #include "locks/model.h"
 #include "locks/page_summary.h"
 #include "locks/selector.h"
 #include "locks/session.h"
 #include "test_paths.h"
+#include "test_util.h"
 
 using namespace locks;
 
@@ -102,7 +101,9 @@ void check_selection(const std::vector<int32_t>& got, const std::vector<double>&
     else
       max_out = std::max(max_out, sc[j]);
   }
-  if (min_in != kInf && max_out != -kInf) { EXPECT_GE(min_in, max_out - tol) << "a lower-scored page was kept"; }
+  if (min_in != kInf && max_out != -kInf) {
+    EXPECT_GE(min_in, max_out - tol) << "a lower-scored page was kept";
+  }
   const auto ref = ref_select(sc, k);
   // Near-tie at the boundary: any top choice is acceptable; otherwise the sets must be equal.
   std::vector<double> mid;
@@ -110,7 +111,9 @@ void check_selection(const std::vector<int32_t>& got, const std::vector<double>&
   std::sort(mid.rbegin(), mid.rend());
   const int kk = std::max(k, 2) - 2;
   const bool near_tie = kk > 0 && kk < int(mid.size()) && mid[kk - 1] - mid[kk] <= tol;
-  if (!near_tie) { EXPECT_EQ(got, ref); }
+  if (!near_tie) {
+    EXPECT_EQ(got, ref);
+  }
 }
 
 std::vector<float> to_float(const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); }
@@ -164,11 +167,12 @@ TEST(Selector, TopPagesEmptyAndSinglePage) {
   select_top_pages(lm, 4, 1, 8, GroupRule::kShareAverage, out);
   EXPECT_EQ(out, std::vector<int32_t>{0});
   // Estimates that are not there are refused, not read.
-  EXPECT_EQ(test::error_of<std::invalid_argument>(
-                [&] { select_top_pages(nullptr, 1, 4, 3, GroupRule::kShareAverage, out); }),
-            "select_top_pages: no log-mass estimates (null) for 4 pages");
-  EXPECT_EQ(test::error_of<std::invalid_argument>([&] { select_top_pages(lm, 0, 4, 3, GroupRule::kShareAverage, out); }),
-            "select_top_pages: GQA group of 0 heads for 4 pages");
+  EXPECT_EQ(
+      test::error_of<std::invalid_argument>([&] { select_top_pages(nullptr, 1, 4, 3, GroupRule::kShareAverage, out); }),
+      "select_top_pages: no log-mass estimates (null) for 4 pages");
+  EXPECT_EQ(
+      test::error_of<std::invalid_argument>([&] { select_top_pages(lm, 0, 4, 3, GroupRule::kShareAverage, out); }),
+      "select_top_pages: GQA group of 0 heads for 4 pages");
 }
 
 TEST(Selector, TopPagesTiesBreakTowardLowerIndex) {
@@ -470,7 +474,8 @@ std::vector<double> exact_masses(const SyntheticCache& sc, int il, int h, const 
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < n_pages; ++j) {
       const int n = std::min(16, sc.seq.n_tokens - j * 16);
-      lm[size_t(g) * n_pages + j] = ref_lse(&sc.keys[il][h][size_t(j) * 16 * d], n, &q[size_t(g) * d], d, 1.0 / std::sqrt(double(d)));
+      lm[size_t(g) * n_pages + j] =
+          ref_lse(&sc.keys[il][h][size_t(j) * 16 * d], n, &q[size_t(g) * d], d, 1.0 / std::sqrt(double(d)));
     }
   return lm;
 }
@@ -494,7 +499,8 @@ TEST(Selector, MakeSelectorByName) {
   } catch (const std::invalid_argument& e) {
     const std::string msg = e.what();
     EXPECT_NE(msg.find("bogus"), std::string::npos) << msg;
-    for (const auto& n : names) EXPECT_NE(msg.find(n), std::string::npos) << "message should list '" << n << "': " << msg;
+    for (const auto& n : names)
+      EXPECT_NE(msg.find(n), std::string::npos) << "message should list '" << n << "': " << msg;
   }
 }
 
@@ -540,7 +546,8 @@ TEST(Selector, RequestsOutsideTheCacheThrow) {
               fmt::format("select: layer -1 outside [0, {})", sc.cfg.n_layer));
     req.il = 0;
     req.n_group = 0;
-    EXPECT_EQ(test::error_of<std::invalid_argument>([&] { sel->select(*sc.cache, req, out); }), "select: n_group 0 < 1");
+    EXPECT_EQ(test::error_of<std::invalid_argument>([&] { sel->select(*sc.cache, req, out); }),
+              "select: n_group 0 < 1");
     req.n_group = 2;
     std::vector<float> q_bad = q;
     q_bad[64 + 3] = NAN;
@@ -621,7 +628,9 @@ TEST(Selector, FullOracleAndLocksOnSyntheticCache) {
           EXPECT_EQ(s_copy.pages, s_locks.pages);
           EXPECT_EQ(s_locks.all_pages, k >= n_pages);
           EXPECT_EQ(s_oracle.all_pages, k >= n_pages);
-          if (k >= n_pages) { EXPECT_EQ(s_locks.pages, all); }
+          if (k >= n_pages) {
+            EXPECT_EQ(s_locks.pages, all);
+          }
           // Bytes read: oracle reads every K; LOCKS reads summaries of full pages and the partial
           // recent page's keys.
           const int last = n_tokens - (n_pages - 1) * 16;
@@ -636,7 +645,7 @@ TEST(Selector, FullOracleAndLocksOnSyntheticCache) {
 TEST(Selector, LocksShippedFormatBudgetCoversAllPages) {
   std::mt19937 rng(122);
   SyntheticCache sc = make_cache(rng, 16 * 9, 12);  // exactly 9 full pages
-  auto locks = make_selector("locks", sc.cfg);       // default options: shipped quantized format
+  auto locks = make_selector("locks", sc.cfg);      // default options: shipped quantized format
   for (int il = 0; il < sc.cfg.n_layer; ++il) locks->on_pages_filled(*sc.cache, il, full_pages(sc.seq, 16));
   const auto q = randn(rng, 5 * sc.cfg.head_dim);
   SelectionRequest req;

@@ -111,7 +111,8 @@ TEST(SvgPlot, TagCheckerRejectsBrokenXml) {
 
 TEST(SvgPlot, LineChartWellFormedAndEscaped) {
   const auto series = budget_series();
-  const std::string svg = svg_line_chart("Coverage <vs> budget & \"rank\"", "budget (tokens)", "coverage", series, true);
+  const std::string svg =
+      svg_line_chart("Coverage <vs> budget & \"rank\"", "budget (tokens)", "coverage", series, true);
   int n = 0;
   EXPECT_EQ(check_tags(svg, &n), "") << svg;
   EXPECT_GT(n, 30);
@@ -172,10 +173,12 @@ TEST(SvgPlot, Log2AxisTicksArePowersOfTwo) {
 
 TEST(SvgPlot, NiceYTicksAndFixedRange) {
   const std::string svg = svg_line_chart("t", "x", "y", budget_series(), true, 0.0, 1.0);
-  for (const char* t : {">0.0<", ">0.2<", ">0.4<", ">0.6<", ">0.8<", ">1.0<"}) EXPECT_NE(svg.find(t), std::string::npos) << t;
+  for (const char* t : {">0.0<", ">0.2<", ">0.4<", ">0.6<", ">0.8<", ">1.0<"})
+    EXPECT_NE(svg.find(t), std::string::npos) << t;
   // From data (0.6 .. 1.0): ticks are round numbers.
   const std::string auto_svg = svg_line_chart("t", "x", "y", budget_series(), true);
-  for (const char* t : {">0.6<", ">0.7<", ">0.8<", ">0.9<", ">1.0<"}) EXPECT_NE(auto_svg.find(t), std::string::npos) << t;
+  for (const char* t : {">0.6<", ">0.7<", ">0.8<", ">0.9<", ">1.0<"})
+    EXPECT_NE(auto_svg.find(t), std::string::npos) << t;
   EXPECT_EQ(auto_svg.find(">0.5<"), std::string::npos);
   // Degenerate and empty inputs still render.
   EXPECT_EQ(check_tags(svg_line_chart("flat", "x", "y", {{"c", {1, 2}, {5, 5}}})), "");
@@ -189,10 +192,12 @@ TEST(SvgPlot, DeterministicOutput) {
   const auto b = svg_line_chart("Coverage", "budget", "coverage", budget_series(), true);
   EXPECT_EQ(a, b);
   const std::vector<BarGroup> g = {{"needle", {0.934, 0.5}}, {"qa", {0.71, 0.62}}};
-  EXPECT_EQ(svg_bar_chart("acc", "accuracy", {"locks", "quest"}, g), svg_bar_chart("acc", "accuracy", {"locks", "quest"}, g));
+  EXPECT_EQ(svg_bar_chart("acc", "accuracy", {"locks", "quest"}, g),
+            svg_bar_chart("acc", "accuracy", {"locks", "quest"}, g));
   // Many series cycle the palette with dash patterns; still well formed.
   std::vector<PlotSeries> many;
-  for (int i = 0; i < 14; ++i) many.push_back({std::string("s").append(std::to_string(i)), {1, 2, 3}, {double(i), i + 1.0, i + 0.5}});
+  for (int i = 0; i < 14; ++i)
+    many.push_back({std::string("s").append(std::to_string(i)), {1, 2, 3}, {double(i), i + 1.0, i + 0.5}});
   const auto m = svg_line_chart("many", "x", "y", many);
   EXPECT_EQ(check_tags(m), "");
   EXPECT_NE(m.find("stroke-dasharray"), std::string::npos);
@@ -200,12 +205,12 @@ TEST(SvgPlot, DeterministicOutput) {
 
 TEST(SvgPlot, BarChartValuesAndLegend) {
   const std::vector<std::string> names = {"locks", "quest & co", "oracle"};
-  const std::vector<BarGroup> groups = {{"needle <4k>", {0.934, 0.5, 1.0}},
-                                        {"summ", {12.5, 1234, NAN}},
-                                        {"short", {0.25}}};
+  const std::vector<BarGroup> groups = {
+      {"needle <4k>", {0.934, 0.5, 1.0}}, {"summ", {12.5, 1234, NAN}}, {"short", {0.25}}};
   const std::string svg = svg_bar_chart("Accuracy by \"task\"", "score", names, groups);
   EXPECT_EQ(check_tags(svg), "") << svg;
-  for (const char* t : {">0.934<", ">0.5<", ">1<", ">12.5<", ">1234<", ">0.25<"}) EXPECT_NE(svg.find(t), std::string::npos) << t;
+  for (const char* t : {">0.934<", ">0.5<", ">1<", ">12.5<", ">1234<", ">0.25<"})
+    EXPECT_NE(svg.find(t), std::string::npos) << t;
   EXPECT_NE(svg.find(">quest &amp; co<"), std::string::npos);
   EXPECT_NE(svg.find(">needle &lt;4k&gt;<"), std::string::npos);
   EXPECT_NE(svg.find("Accuracy by &quot;task&quot;"), std::string::npos);
@@ -214,14 +219,16 @@ TEST(SvgPlot, BarChartValuesAndLegend) {
   EXPECT_EQ(count(svg, "<rect"), 6u + 3u + 1u + 1u);  // + the plot frame
   EXPECT_EQ(count(svg, "</rect>"), 6u);
   // Fixed range and negative values.
-  const std::string neg = svg_bar_chart("delta", "d", {"a", "b"}, {{"g1", {-0.3, 0.2}}, {"g2", {0.1, -0.05}}}, -0.5, 0.5);
+  const std::string neg =
+      svg_bar_chart("delta", "d", {"a", "b"}, {{"g1", {-0.3, 0.2}}, {"g2", {0.1, -0.05}}}, -0.5, 0.5);
   EXPECT_EQ(check_tags(neg), "");
   EXPECT_NE(neg.find(">-0.3<"), std::string::npos);
   EXPECT_NE(neg.find(">-0.4<"), std::string::npos);  // ticks at multiples of 0.2 inside the fixed range
   EXPECT_THROW(svg_bar_chart("bad", "y", {"a"}, {{"g", {1, 2}}}), std::invalid_argument);
   // Many narrow bars with long group labels: rotated labels, still well formed.
   std::vector<BarGroup> wide;
-  for (int i = 0; i < 9; ++i) wide.push_back({std::string("a-rather-long-task-name-").append(std::to_string(i)), {0.1, 0.2, 0.3}});
+  for (int i = 0; i < 9; ++i)
+    wide.push_back({std::string("a-rather-long-task-name-").append(std::to_string(i)), {0.1, 0.2, 0.3}});
   EXPECT_EQ(check_tags(svg_bar_chart("wide", "y", names, wide)), "");
 }
 

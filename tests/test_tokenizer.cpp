@@ -162,9 +162,16 @@ std::vector<uint8_t> write_vocab(const MiniVocab& v) {
   auto raw = [&](const void* p, size_t n) {
     for (size_t i = 0; i < n; ++i) b.push_back(static_cast<const uint8_t*>(p)[i]);
   };
-  auto u32 = [&](uint32_t x) { for (int i = 0; i < 4; ++i) b.push_back(static_cast<uint8_t>(x >> (8 * i))); };
-  auto u64 = [&](uint64_t x) { for (int i = 0; i < 8; ++i) b.push_back(static_cast<uint8_t>(x >> (8 * i))); };
-  auto str = [&](std::string_view s) { u64(s.size()); raw(s.data(), s.size()); };
+  auto u32 = [&](uint32_t x) {
+    for (int i = 0; i < 4; ++i) b.push_back(static_cast<uint8_t>(x >> (8 * i)));
+  };
+  auto u64 = [&](uint64_t x) {
+    for (int i = 0; i < 8; ++i) b.push_back(static_cast<uint8_t>(x >> (8 * i)));
+  };
+  auto str = [&](std::string_view s) {
+    u64(s.size());
+    raw(s.data(), s.size());
+  };
   raw("GGUF", 4);
   u32(3);
   u64(0);
@@ -174,12 +181,23 @@ std::vector<uint8_t> write_vocab(const MiniVocab& v) {
     u32(7);
     b.push_back(static_cast<uint8_t>(v.remove_extra_ws));
   }
-  str("tokenizer.ggml.model"); u32(8); str(v.model);
-  str("tokenizer.ggml.tokens"); u32(9); u32(8); u64(v.tokens.size());
+  str("tokenizer.ggml.model");
+  u32(8);
+  str(v.model);
+  str("tokenizer.ggml.tokens");
+  u32(9);
+  u32(8);
+  u64(v.tokens.size());
   for (const auto& t : v.tokens) str(t);
-  str("tokenizer.ggml.scores"); u32(9); u32(6); u64(v.scores.size());
+  str("tokenizer.ggml.scores");
+  u32(9);
+  u32(6);
+  u64(v.scores.size());
   for (float s : v.scores) u32(std::bit_cast<uint32_t>(s));
-  str("tokenizer.ggml.token_type"); u32(9); u32(5); u64(v.types.size());
+  str("tokenizer.ggml.token_type");
+  u32(9);
+  u32(5);
+  u64(v.types.size());
   for (int32_t t : v.types) u32(static_cast<uint32_t>(t));
   return b;
 }
@@ -237,8 +255,8 @@ TEST(TokenizerMini, ValidationErrors) {
     EXPECT_THAT(from_gguf_error(v), HasSubstr("tokenizer.ggml.token_type[259] = " + std::to_string(bad_type) +
                                               " is not a token type (1 normal .. 6 byte)"));
   }
-  const GgufFile empty = GgufFile::from_bytes({'G', 'G', 'U', 'F', 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
-                                              "empty");
+  const GgufFile empty =
+      GgufFile::from_bytes({'G', 'G', 'U', 'F', 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}, "empty");
   try {
     Tokenizer::from_gguf(empty);
     FAIL() << "no exception";
@@ -253,13 +271,15 @@ TEST(TokenizerMini, ValidationErrors) {
 TEST(TokenizerMini, MinTokensIsALowerBound) {
   const std::string S = "\xE2\x96\x81";  // ▁
   const Tokenizer t = make(mini({S + "abcdefgh", "abcdefgh", "abcd", "ab", S, "a", "b", "c", "d", "e", "f", "g", "h"}));
-  EXPECT_EQ(t.min_tokens(std::string(90, 'a')), 10u);  // the most text one token covers: ▁abcdefgh, 9 bytes
-  EXPECT_EQ(t.min_tokens(std::string(5000, ' ')), 0u);       // squeezed away: BOS only
+  EXPECT_EQ(t.min_tokens(std::string(90, 'a')), 10u);   // the most text one token covers: ▁abcdefgh, 9 bytes
+  EXPECT_EQ(t.min_tokens(std::string(5000, ' ')), 0u);  // squeezed away: BOS only
   EXPECT_EQ(t.min_tokens("ab" + std::string(300, ' ') + "cd"), 0u);
-  const std::vector<std::string> texts = {"abcdefgh abcdefgh  abcdefgh", "  ha ha ab\xC3\xA9" "cd  ", S + S + S + S + S,
-                                          "\xF0\x9F\x98\x80\xF0\x9F\x98\x80\xFF\xFE", std::string(900, 'a')};
-  for (const std::string& text : texts)
-    EXPECT_LE(t.min_tokens(text), t.encode(text, false).size()) << text;
+  const std::vector<std::string> texts = {"abcdefgh abcdefgh  abcdefgh",
+                                          "  ha ha ab\xC3\xA9"
+                                          "cd  ",
+                                          S + S + S + S + S, "\xF0\x9F\x98\x80\xF0\x9F\x98\x80\xFF\xFE",
+                                          std::string(900, 'a')};
+  for (const std::string& text : texts) EXPECT_LE(t.min_tokens(text), t.encode(text, false).size()) << text;
 }
 
 // The same bound on the real vocabularies, over texts built to be hard for it: runs of spaces (squeezed

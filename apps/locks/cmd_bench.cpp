@@ -297,11 +297,10 @@ Runner add_bench(CLI::App& app) {
           ->transform(decimal_integer())
           ->check(CLI::Range(32, 1 << 24))
           ->capture_default_str();
-  CLI::Option* o_kv =
-      app.add_option("--kv-heads", a->n_head_kv, "KV heads")
-          ->transform(decimal_integer())
-          ->check(CLI::Range(1, 64))
-          ->capture_default_str();
+  CLI::Option* o_kv = app.add_option("--kv-heads", a->n_head_kv, "KV heads")
+                          ->transform(decimal_integer())
+                          ->check(CLI::Range(1, 64))
+                          ->capture_default_str();
   CLI::Option* o_grp = app.add_option("--group", a->n_group, "query heads per KV head (G)")
                            ->transform(decimal_integer())
                            ->check(CLI::Range(1, 64))

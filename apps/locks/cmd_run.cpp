@@ -86,10 +86,10 @@ int run(const RunArgs& a) {
   const int64_t n_ctx = a.n_ctx > 0 ? a.n_ctx : model.hp.n_ctx_train;
   const int64_t min_tokens = int64_t(model.tokenizer.min_tokens(prompt));
   if (min_tokens > 0 && min_tokens + std::max(a.max_tokens - 1, 0) > n_ctx)
-    throw std::length_error(fmt::format("prompt of {} bytes is at least {} token{} + {} to generate, more than the "
-                                        "context size of {} token{}",
-                                        prompt.size(), min_tokens, min_tokens == 1 ? "" : "s", a.max_tokens, n_ctx,
-                                        n_ctx == 1 ? "" : "s"));
+    throw std::length_error(
+        fmt::format("prompt of {} bytes is at least {} token{} + {} to generate, more than the "
+                    "context size of {} token{}",
+                    prompt.size(), min_tokens, min_tokens == 1 ? "" : "s", a.max_tokens, n_ctx, n_ctx == 1 ? "" : "s"));
 
   // Options a selector does not read would silently not apply (eval refuses them in a selector spec).
   auto ignored = [&](bool given, const char* opt, SelectorInput input) {
@@ -164,15 +164,15 @@ int run(const RunArgs& a) {
     const std::string budget = reads_budget ? fmt::format("{} tokens", a.budget) : std::string("all pages");
     // No decode step (-n 0 or 1 with no decode tail): no per-step figures to report.
     const std::string decode =
-        r.decode.steps == 0
-            ? std::string("decode 0 steps")
-            : fmt::format("decode {} step{}, {:.1f} tok/s | attention read/step {:.1f} KiB vs dense {:.1f} KiB "
-                          "(ratio {:.3f}, {:.1f}x fewer)",
-                          r.decode.steps, r.decode.steps == 1 ? "" : "s", decode_tps, bytes_step / 1024.0,
-                          dense_step / 1024.0, ratio, ratio > 0 ? 1.0 / ratio : 0.0);
+        r.decode.steps == 0 ? std::string("decode 0 steps")
+                            : fmt::format(
+                                  "decode {} step{}, {:.1f} tok/s | attention read/step {:.1f} KiB vs dense {:.1f} KiB "
+                                  "(ratio {:.3f}, {:.1f}x fewer)",
+                                  r.decode.steps, r.decode.steps == 1 ? "" : "s", decode_tps, bytes_step / 1024.0,
+                                  dense_step / 1024.0, ratio, ratio > 0 ? 1.0 / ratio : 0.0);
     diag("[locks] {}selector={} budget={} | prompt {} token{} | prefill {:.2f} s ({:.0f} tok/s) | {}\n",
-         sc.device == Device::kCuda ? "device=cuda " : "", a.selector,
-         budget, r.prompt_ids.size(), r.prompt_ids.size() == 1 ? "" : "s", r.prefill_seconds, prefill_tps, decode);
+         sc.device == Device::kCuda ? "device=cuda " : "", a.selector, budget, r.prompt_ids.size(),
+         r.prompt_ids.size() == 1 ? "" : "s", r.prefill_seconds, prefill_tps, decode);
   }
   return 0;
 }
@@ -181,8 +181,7 @@ int run(const RunArgs& a) {
 
 Runner add_run(CLI::App& app) {
   auto a = std::make_shared<RunArgs>();
-  app.add_option("-m,--model", a->model, "GGUF model (default: models/locks-ref-a-q8_0.gguf)")
-      ->check(non_empty_path());
+  app.add_option("-m,--model", a->model, "GGUF model (default: models/locks-ref-a-q8_0.gguf)")->check(non_empty_path());
   CLI::Option* prompt_opt = app.add_option("-p,--prompt", a->prompt, "prompt text (\"\" = generate from BOS)");
   app.add_option("-f,--prompt-file", a->prompt_file, "prompt file, '-' for stdin (default: examples/needle-8k.txt)")
       ->check(non_empty_path());
@@ -204,22 +203,22 @@ Runner add_run(CLI::App& app) {
       ->capture_default_str();
   CLI::Option* budget_opt =
       app.add_option("-b,--budget", a->budget, "attention budget per KV head in tokens (multiple of 16, >= 32)")
-      ->transform(decimal_integer())
-      ->check(CLI::Range(32, kMaxContextTokens))
-      ->capture_default_str();
+          ->transform(decimal_integer())
+          ->check(CLI::Range(32, kMaxContextTokens))
+          ->capture_default_str();
   CLI::Option* rank_opt = app.add_option("-r,--rank", a->rank, "LOCKS summary rank r (1..16)")
-      ->transform(decimal_integer())
-      ->check(CLI::Range(1, 16))
-      ->capture_default_str();
+                              ->transform(decimal_integer())
+                              ->check(CLI::Range(1, 16))
+                              ->capture_default_str();
   CLI::Option* basis_opt =
       app.add_option("--basis-bits", a->basis_bits, "LOCKS basis precision: 32 (f32), 16 (bf16), 8, 4 or 2 bits")
-      ->transform(decimal_integer())
-      ->check(CLI::IsMember({32, 16, 8, 4, 2}))
-      ->capture_default_str();
-  CLI::Option* rule_opt =
-      app.add_option("--group-rule", a->group_rule, "how the GQA group shares one page set: share-average, max, mass-sum")
-      ->check(CLI::IsMember({"share-average", "max", "mass-sum"}))
-      ->capture_default_str();
+          ->transform(decimal_integer())
+          ->check(CLI::IsMember({32, 16, 8, 4, 2}))
+          ->capture_default_str();
+  CLI::Option* rule_opt = app.add_option("--group-rule", a->group_rule,
+                                         "how the GQA group shares one page set: share-average, max, mass-sum")
+                              ->check(CLI::IsMember({"share-average", "max", "mass-sum"}))
+                              ->capture_default_str();
   app.add_option("-n,--max-tokens", a->max_tokens, "tokens to generate")
       ->transform(decimal_integer())
       ->check(CLI::Range(0, 1 << 24))
@@ -229,9 +228,9 @@ Runner add_run(CLI::App& app) {
       ->check(CLI::Range(0.0, 100.0))
       ->capture_default_str();
   CLI::Option* top_p_opt = app.add_option("--top-p", a->top_p, "nucleus sampling threshold in (0, 1]")
-      ->check(number_text())
-      ->check(CLI::Range(1e-6, 1.0))
-      ->capture_default_str();
+                               ->check(number_text())
+                               ->check(CLI::Range(1e-6, 1.0))
+                               ->capture_default_str();
   CLI::Option* seed_opt =
       app.add_option("--seed", a->seed, "sampling seed")->transform(decimal_integer(true))->capture_default_str();
   app.add_option("--threads", a->threads, "CPU threads (default: all cores)")
@@ -245,17 +244,20 @@ Runner add_run(CLI::App& app) {
   app.add_option("-c,--ctx", a->n_ctx, "context size in tokens (default: the model's)")
       ->transform(decimal_integer())
       ->check(CLI::Range(1, kMaxContextTokens));
-  app.add_option("--kv-dtype", a->kv_dtype, "KV cache storage: f16 or f32 on the CPU (default f16), bf16 or f16 on CUDA "
+  app.add_option("--kv-dtype", a->kv_dtype,
+                 "KV cache storage: f16 or f32 on the CPU (default f16), bf16 or f16 on CUDA "
                  "(default bf16)")
       ->check(CLI::IsMember({"f16", "f32", "bf16"}));
-  app.add_option("--device", a->device, "where the model runs: cpu, or cuda (the whole model on the GPU; selectors "
+  app.add_option("--device", a->device,
+                 "where the model runs: cpu, or cuda (the whole model on the GPU; selectors "
                  "full and locks)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
-  CLI::Option* weights_opt = app.add_option("--gpu-weights", a->gpu_weights,
-                 "matrix weights on the GPU: bf16, f32, or auto (f32 up to 2 GiB of them, else bf16)")
-      ->check(CLI::IsMember({"auto", "bf16", "f32"}))
-      ->capture_default_str();
+  CLI::Option* weights_opt =
+      app.add_option("--gpu-weights", a->gpu_weights,
+                     "matrix weights on the GPU: bf16, f32, or auto (f32 up to 2 GiB of them, else bf16)")
+          ->check(CLI::IsMember({"auto", "bf16", "f32"}))
+          ->capture_default_str();
   app.add_flag("--json", a->json, "print one JSON object instead of streamed text and a stats line");
   return [a, prompt_opt, rank_opt, basis_opt, rule_opt, budget_opt, top_p_opt, seed_opt, weights_opt] {
     a->prompt_given = prompt_opt->count() > 0;
@@ -274,8 +276,7 @@ Runner add_run(CLI::App& app) {
       throw CLI::ValidationError("--kv-dtype", "bf16 is the GPU's KV type (--device cuda); the CPU stores f16 or f32");
     if (cuda && a->kv_dtype == "f32")
       throw CLI::ValidationError("--kv-dtype", "f32 is a CPU KV type; --device cuda stores bf16 or f16");
-    if (!cuda && weights_opt->count() > 0)
-      throw CLI::ValidationError("--gpu-weights", "applies with --device cuda");
+    if (!cuda && weights_opt->count() > 0) throw CLI::ValidationError("--gpu-weights", "applies with --device cuda");
     return run(*a);
   };
 }

@@ -2,9 +2,9 @@
 // returns the function that runs it (exit code).
 #pragma once
 
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cctype>
 #include <cstdint>
@@ -50,8 +50,7 @@ std::string first_repeat(const std::vector<T>& v) {
 
 /// Shared, for path options: an empty path is an error (not "use the default").
 inline CLI::Validator non_empty_path() {
-  return CLI::Validator([](std::string& s) { return s.empty() ? std::string("empty path") : std::string(); },
-                        "PATH");
+  return CLI::Validator([](std::string& s) { return s.empty() ? std::string("empty path") : std::string(); }, "PATH");
 }
 
 /// Shared, for float options: the whole text is a decimal number (before a range check, which would call

@@ -1,8 +1,8 @@
 #include "paths.h"
 
 #include <filesystem>
-#include <vector>
 #include <system_error>
+#include <vector>
 
 namespace locks::cli {
 

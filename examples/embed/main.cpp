@@ -38,13 +38,13 @@ namespace {
 
 namespace lc = locks::cuda;
 
-#define CUDA_OK(call)                                                                       \
-  do {                                                                                      \
-    const cudaError_t e_ = (call);                                                          \
-    if (e_ != cudaSuccess) {                                                                \
-      std::fprintf(stderr, "CUDA: %s failed: %s\n", #call, cudaGetErrorString(e_));        \
-      return false;                                                                         \
-    }                                                                                       \
+#define CUDA_OK(call)                                                               \
+  do {                                                                              \
+    const cudaError_t e_ = (call);                                                  \
+    if (e_ != cudaSuccess) {                                                        \
+      std::fprintf(stderr, "CUDA: %s failed: %s\n", #call, cudaGetErrorString(e_)); \
+      return false;                                                                 \
+    }                                                                               \
   } while (0)
 
 template <class T>
@@ -58,8 +58,8 @@ struct DeviceBuffer {  // cudaMalloc'd, freed on scope exit
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
 };
 
-bool gpu_decode_step(const locks::PagedKvCache& cache, const locks::KvSequence& seq, const std::vector<float>& q,
-                     int G, int needle_page, const std::vector<float>& o_dense) {
+bool gpu_decode_step(const locks::PagedKvCache& cache, const locks::KvSequence& seq, const std::vector<float>& q, int G,
+                     int needle_page, const std::vector<float>& o_dense) {
   const auto& cfg = cache.config();
   if (cfg.dtype != locks::KvDtype::F16) {  // the device pool takes the CPU pages as they are: f16 here
     std::fprintf(stderr, "CUDA: this example uploads an f16 cache\n");
@@ -146,8 +146,8 @@ bool gpu_decode_step(const locks::PagedKvCache& cache, const locks::KvSequence& 
   CUDA_OK(cudaMemcpy(h_o.data(), o.p, h_o.size() * sizeof(float), cudaMemcpyDeviceToHost));
   CUDA_OK(cudaMemcpy(sel.data(), lc::plan_selected(plan, workspace.p), sel.size() * sizeof(int32_t),
                      cudaMemcpyDeviceToHost));
-  CUDA_OK(cudaMemcpy(n_sel.data(), lc::plan_n_selected(plan, workspace.p), H * sizeof(int32_t),
-                     cudaMemcpyDeviceToHost));
+  CUDA_OK(
+      cudaMemcpy(n_sel.data(), lc::plan_n_selected(plan, workspace.p), H * sizeof(int32_t), cudaMemcpyDeviceToHost));
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(s);

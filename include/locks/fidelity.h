@@ -14,20 +14,20 @@ namespace locks {
 
 /// Sums over observations; FidelityStats::mean() turns them into averages.
 struct FidelityStats {
-  double obs = 0;                 // (layer, KV head, step) observations
-  double lse_abs_err = 0;         // sum over pages and heads of |s_hat_j - s_j| (LSE MAE numerator)
+  double obs = 0;          // (layer, KV head, step) observations
+  double lse_abs_err = 0;  // sum over pages and heads of |s_hat_j - s_j| (LSE MAE numerator)
   double lse_n = 0;
-  double logit_abs_err = 0;       // sum over tokens and heads of |q.(k_hat_i - k_i)| / sqrt(d)
+  double logit_abs_err = 0;  // sum over tokens and heads of |q.(k_hat_i - k_i)| / sqrt(d)
   double logit_n = 0;
-  double spearman = 0;            // Spearman(s_hat(q_g), s(q_g)) over pages, summed over heads
+  double spearman = 0;  // Spearman(s_hat(q_g), s(q_g)) over pages, summed over heads
   double spearman_n = 0;
-  double coverage = 0;            // group-average gamma_S (attention mass inside S), summed over obs
-  double worst_head_coverage = 0; // min over the group's heads of gamma_S, summed over obs
-  double oracle_coverage = 0;     // gamma of the exact-mass selection at the same budget
-  double output_rel_err = 0;      // ||o_S - o|| / ||o|| summed over heads
+  double coverage = 0;             // group-average gamma_S (attention mass inside S), summed over obs
+  double worst_head_coverage = 0;  // min over the group's heads of gamma_S, summed over obs
+  double oracle_coverage = 0;      // gamma of the exact-mass selection at the same budget
+  double output_rel_err = 0;       // ||o_S - o|| / ||o|| summed over heads
   double output_n = 0;
-  double carrier_obs = 0, carrier_kept = 0;         // carrier page holds >= 5% group-average mass
-  double carrier_any_obs = 0, carrier_any_kept = 0; // every (layer, head, step), unconditional
+  double carrier_obs = 0, carrier_kept = 0;          // carrier page holds >= 5% group-average mass
+  double carrier_any_obs = 0, carrier_any_kept = 0;  // every (layer, head, step), unconditional
 
   void add(const FidelityStats& o);
   struct Means {

@@ -11,11 +11,11 @@ namespace locks {
 /// Work done by decode steps, summed (bytes are per step summed over layers and KV heads).
 struct DecodeTotals {
   int64_t steps = 0;
-  double bytes_read = 0;        // selector reads + K/V of attended pages
-  double dense_bytes = 0;       // K/V of every page (what full attention reads)
-  double select_seconds = 0;    // CPU only: the selectors' time
-  double attend_seconds = 0;    // CPU only: decode attention's time
-  double seconds = 0;           // whole decode steps
+  double bytes_read = 0;      // selector reads + K/V of attended pages
+  double dense_bytes = 0;     // K/V of every page (what full attention reads)
+  double select_seconds = 0;  // CPU only: the selectors' time
+  double attend_seconds = 0;  // CPU only: decode attention's time
+  double seconds = 0;         // whole decode steps
 };
 
 /// The rows of one forward call. Prefill: `tokens` are consecutive positions of one sequence,
@@ -43,15 +43,15 @@ class ForwardOps {
   /// whole step itself (a CUDA graph captured from an earlier step of the same shape replayed): the
   /// calls that follow in llama_forward are what it captured.
   virtual bool begin(const ForwardStep& step) = 0;
-  virtual void embed() = 0;                                 // x = tok_embd[tokens]
-  virtual void rmsnorm(int il, NormWeight w) = 0;           // xn = x / rms(x) * w (kOutput: last rows, il unused)
-  virtual void qkv(int il) = 0;                             // q, k, v = xn W_q, xn W_k, xn W_v (+ bias)
-  virtual void rope_append(int il) = 0;                     // RoPE on q, k; k, v into the paged cache; Alg. 1 on pages that filled
-  virtual void attention(int il) = 0;                       // att = softmax(q K^T * scale) V (decode: over the selection)
-  virtual void project_add(int il, Projection p) = 0;       // x += att W_o, or x += ffn W_down
-  virtual void gate_up_swiglu(int il) = 0;                  // ffn = silu(xn W_gate) * (xn W_up)
-  virtual void logits() = 0;                                // logits = xn W_out for the last row of each sequence
-  virtual void end() = 0;                                   // the step's work is enqueued / done
+  virtual void embed() = 0;                        // x = tok_embd[tokens]
+  virtual void rmsnorm(int il, NormWeight w) = 0;  // xn = x / rms(x) * w (kOutput: last rows, il unused)
+  virtual void qkv(int il) = 0;                    // q, k, v = xn W_q, xn W_k, xn W_v (+ bias)
+  virtual void rope_append(int il) = 0;  // RoPE on q, k; k, v into the paged cache; Alg. 1 on pages that filled
+  virtual void attention(int il) = 0;    // att = softmax(q K^T * scale) V (decode: over the selection)
+  virtual void project_add(int il, Projection p) = 0;  // x += att W_o, or x += ffn W_down
+  virtual void gate_up_swiglu(int il) = 0;             // ffn = silu(xn W_gate) * (xn W_up)
+  virtual void logits() = 0;                           // logits = xn W_out for the last row of each sequence
+  virtual void end() = 0;                              // the step's work is enqueued / done
   /// An operation threw between begin() and end(): drop what the step started (a graph capture).
   virtual void abort() noexcept {}
   /// Tokens sequence `seq` holds (in the cache, including a step that threw after appending).

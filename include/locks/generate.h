@@ -12,8 +12,8 @@
 namespace locks {
 
 struct GenerateOptions {
-  int max_tokens = 32;       // tokens to generate after the prompt
-  int decode_tail = 0;       // last N prompt tokens go through decode (selection runs on them)
+  int max_tokens = 32;  // tokens to generate after the prompt
+  int decode_tail = 0;  // last N prompt tokens go through decode (selection runs on them)
   bool stop_at_eos = true;
   SamplerConfig sampler;
 };
@@ -21,10 +21,10 @@ struct GenerateOptions {
 struct GenerateResult {
   std::vector<int32_t> prompt_ids;
   std::vector<int32_t> generated_ids;
-  std::string text;              // detokenized generated_ids
+  std::string text;  // detokenized generated_ids
   int prefill_tokens = 0;
   double prefill_seconds = 0;
-  DecodeTotals decode;           // over the decode tail and the generated tokens
+  DecodeTotals decode;  // over the decode tail and the generated tokens
 };
 
 /// Run the prompt through `session` (fresh) and generate. `on_token` (optional) sees each generated

@@ -27,8 +27,19 @@ std::string gguf_quoted(std::string_view s);
 /// One GGUF metadata value. Arrays hold a homogeneous vector of one scalar type or strings.
 struct GgufValue {
   enum class Type : uint32_t {
-    U8 = 0, I8 = 1, U16 = 2, I16 = 3, U32 = 4, I32 = 5, F32 = 6, BOOL = 7,
-    STRING = 8, ARRAY = 9, U64 = 10, I64 = 11, F64 = 12
+    U8 = 0,
+    I8 = 1,
+    U16 = 2,
+    I16 = 3,
+    U32 = 4,
+    I32 = 5,
+    F32 = 6,
+    BOOL = 7,
+    STRING = 8,
+    ARRAY = 9,
+    U64 = 10,
+    I64 = 11,
+    F64 = 12
   };
   Type type = Type::U8;
   Type array_type = Type::U8;  // element type when type == ARRAY

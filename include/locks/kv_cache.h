@@ -118,8 +118,8 @@ class PagedKvCache {
   void to_f32(const ZeroedArray<uint8_t>& buf, int il, int32_t page, int kv_head, float* out) const;
 
   KvCacheConfig cfg_;
-  ZeroedArray<uint8_t> k_, v_;  // [n_layer][n_pages][n_head_kv][B][head_dim], committed as written
-  std::vector<int32_t> free_;   // free page ids, popped from the back (lowest id first)
+  ZeroedArray<uint8_t> k_, v_;   // [n_layer][n_pages][n_head_kv][B][head_dim], committed as written
+  std::vector<int32_t> free_;    // free page ids, popped from the back (lowest id first)
   std::vector<uint8_t> in_use_;  // [n_pages]: 1 while a sequence holds the page
 };
 

@@ -26,8 +26,8 @@ struct LocalityResult {
   std::vector<double> page_local, sequence;
   /// Empty when no global basis was given; NaN at ranks beyond the basis's rank.
   std::vector<double> global;
-  int64_t n_pages = 0;   // full pages measured, summed over layers and KV heads
-  double energy = 0;     // total within-page energy (the denominator)
+  int64_t n_pages = 0;  // full pages measured, summed over layers and KV heads
+  double energy = 0;    // total within-page energy (the denominator)
 };
 
 /// Measure the locality finding on the full pages of `seq` (seq.n_tokens / B of them) in every

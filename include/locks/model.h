@@ -14,14 +14,14 @@ namespace locks {
 
 struct LlamaHparams {
   int n_vocab = 0;
-  int n_ctx_train = 0;    // llama.context_length
-  int n_embd = 0;         // d_model
+  int n_ctx_train = 0;  // llama.context_length
+  int n_embd = 0;       // d_model
   int n_layer = 0;
   int n_ff = 0;
   int n_head = 0;
   int n_head_kv = 0;
-  int head_dim = 0;       // n_embd / n_head
-  int n_rot = 0;          // rope dimension count (<= head_dim)
+  int head_dim = 0;  // n_embd / n_head
+  int n_rot = 0;     // rope dimension count (<= head_dim)
   float rope_freq_base = 10000.0f;
   float rms_eps = 1e-5f;
   int n_group() const { return n_head / n_head_kv; }  // G
@@ -50,8 +50,8 @@ class LlamaModel {
   static LlamaModel from_gguf(const GgufFile& gguf);
 
   LlamaHparams hp;
-  Matrix tok_embd;   // [n_vocab][n_embd]
-  Matrix output;     // [n_vocab][n_embd]; empty when tied to tok_embd
+  Matrix tok_embd;  // [n_vocab][n_embd]
+  Matrix output;    // [n_vocab][n_embd]; empty when tied to tok_embd
   std::vector<float> output_norm;
   std::vector<LlamaLayer> layers;
   Tokenizer tokenizer;

@@ -38,7 +38,7 @@ struct NeedleTask {
   std::vector<int32_t> value_pos;     // token position of each needle's value (" {value}" starts)
   std::vector<std::string> keys, values;
   std::vector<NeedleQuestion> questions;
-  int total_tokens() const;           // context + every question and answer
+  int total_tokens() const;  // context + every question and answer
 };
 
 /// Build one task of ~target_tokens tokens in total (context + questions + answers), deterministic

@@ -23,10 +23,10 @@ namespace locks {
 /// Storage precision of the summary parts. Bits: 32 = float32 (unquantized, the theory's setting),
 /// 16 = bf16, 8/4/2 = symmetric integer codes in [-(2^(b-1)-1), 2^(b-1)-1] with f16 scales.
 struct SummaryFormat {
-  int rank = 8;            // r, 1 <= r <= page_size
-  int basis_bits = 4;      // 32, 16 (bf16), 8, 4, 2; one scale per basis column
-  int coef_bits = 8;       // 32 or 8; one scale per coefficient row (token)
-  int centroid_bits = 8;   // 32 or 8; one scale per page
+  int rank = 8;           // r, 1 <= r <= page_size
+  int basis_bits = 4;     // 32, 16 (bf16), 8, 4, 2; one scale per basis column
+  int coef_bits = 8;      // 32 or 8; one scale per coefficient row (token)
+  int centroid_bits = 8;  // 32 or 8; one scale per page
 
   static SummaryFormat unquantized(int r) { return {r, 32, 32, 32}; }
   /// Throws std::invalid_argument naming the bad field.
@@ -95,21 +95,21 @@ class PageSummaryStore {
   }
   [[noreturn]] void index_error(int il, int kv_head, int32_t page) const;
   size_t stored_index(int il, int kv_head, int32_t page) const;  // index(), and the summary must be stored
-  void dequant_basis(size_t idx, float* out) const;  // [r][d]
+  void dequant_basis(size_t idx, float* out) const;              // [r][d]
 
   SummaryFormat fmt_;
   int n_layer_ = 0, n_head_kv_ = 0, n_pages_ = 0, B_ = 16, d_ = 0;
   size_t basis_stride_ = 0, coef_stride_ = 0, centroid_stride_ = 0, summary_bytes_ = 0;
   bool fast_path_ = false;  // shipped-like format handled by the AVX2 score kernel
   // Committed as pages are stored (ZeroedArray), not for the whole pool up front.
-  ZeroedArray<uint8_t> basis_;           // [L][H][P][basis_stride_] packed codes / bf16 / f32
-  ZeroedArray<f16_t> basis_scale_;       // [L][H][P][r]
-  ZeroedArray<uint8_t> coef_;            // [L][H][P][coef_stride_] int8 codes or f32
-  ZeroedArray<f16_t> coef_scale_;        // [L][H][P][B]
-  ZeroedArray<uint8_t> centroid_;        // [L][H][P][centroid_stride_] int8 codes or f32
-  ZeroedArray<f16_t> centroid_scale_;    // [L][H][P]
-  ZeroedArray<float> tail_;              // [L][H][P]
-  ZeroedArray<uint8_t> valid_;           // [L][H][P]
+  ZeroedArray<uint8_t> basis_;         // [L][H][P][basis_stride_] packed codes / bf16 / f32
+  ZeroedArray<f16_t> basis_scale_;     // [L][H][P][r]
+  ZeroedArray<uint8_t> coef_;          // [L][H][P][coef_stride_] int8 codes or f32
+  ZeroedArray<f16_t> coef_scale_;      // [L][H][P][B]
+  ZeroedArray<uint8_t> centroid_;      // [L][H][P][centroid_stride_] int8 codes or f32
+  ZeroedArray<f16_t> centroid_scale_;  // [L][H][P]
+  ZeroedArray<float> tail_;            // [L][H][P]
+  ZeroedArray<uint8_t> valid_;         // [L][H][P]
 };
 
 }  // namespace locks

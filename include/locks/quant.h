@@ -75,9 +75,9 @@ inline f16_t f32_to_f16_soft(float f) {
   if (ax >= 0x7f800000u)  // inf, NaN
     return static_cast<f16_t>(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u | ((ax >> 13) & 0x3ffu) : 0u));
   if (ax >= 0x477ff000u) return static_cast<f16_t>(sign | 0x7c00u);  // >= 65520 rounds to inf
-  if (ax < 0x38800000u) {                                              // below 2^-14: an f16 subnormal or zero
-    if (ax < 0x33000000u) return static_cast<f16_t>(sign);             // <= 2^-25 (a tie with 0 included)
-    const uint32_t shift = 126u - (ax >> 23);                          // 14 .. 24
+  if (ax < 0x38800000u) {                                            // below 2^-14: an f16 subnormal or zero
+    if (ax < 0x33000000u) return static_cast<f16_t>(sign);           // <= 2^-25 (a tie with 0 included)
+    const uint32_t shift = 126u - (ax >> 23);                        // 14 .. 24
     const uint32_t m = (ax & 0x7fffffu) | 0x800000u;
     uint32_t h = m >> shift;
     const uint32_t rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);
@@ -158,9 +158,12 @@ inline void f32_to_f16_row(const float* src, f16_t* dst, size_t n) {
 inline f16_t f16_round_up(float x) {
   f16_t h = f32_to_f16(x);
   if (f16_to_f32(h) < x) {
-    if (h == 0x0000 || h == 0x8000) h = 0x0001;  // +-0 -> smallest positive subnormal
-    else if (h & 0x8000) h = f16_t(h - 1);       // negative: smaller magnitude
-    else h = f16_t(h + 1);
+    if (h == 0x0000 || h == 0x8000)
+      h = 0x0001;  // +-0 -> smallest positive subnormal
+    else if (h & 0x8000)
+      h = f16_t(h - 1);  // negative: smaller magnitude
+    else
+      h = f16_t(h + 1);
   }
   return h;
 }

@@ -57,7 +57,7 @@ struct SelectionRequest {
   int il = 0;
   int kv_head = 0;
   const KvSequence* seq = nullptr;
-  int budget_pages = 32;     // k (>= 2): sink + recent + top-(k-2)
+  int budget_pages = 32;        // k (>= 2): sink + recent + top-(k-2)
   bool want_estimates = false;  // fill Selection::log_mass (evaluation probes only)
 };
 

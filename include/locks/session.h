@@ -36,12 +36,12 @@ struct CudaSessionOptions {
 };
 
 struct SessionConfig {
-  int n_ctx = 0;                  // max tokens; 0 = the model's training context (negative: refused)
+  int n_ctx = 0;  // max tokens; 0 = the model's training context (negative: refused)
   KvDtype kv_dtype = KvDtype::F16;
   std::string selector = "full";  // see selector_names(); with Device::kCuda: full or locks
   int budget_tokens = 512;        // b = k * B tokens per KV head (multiple of B, >= 2B)
   SelectorOptions selector_opts;
-  int prefill_chunk = 0;          // tokens per prefill forward (bounds activation memory); 0: 512 CPU, 4096 CUDA
+  int prefill_chunk = 0;  // tokens per prefill forward (bounds activation memory); 0: 512 CPU, 4096 CUDA
   Device device = Device::kCpu;
   CudaSessionOptions cuda;
 };

@@ -26,8 +26,8 @@ struct GlobalBasis {
   int n_layer = 0;
   int n_head_kv = 0;
   int head_dim = 0;
-  int rank = 0;                             // rho: rows of each basis
-  std::vector<std::vector<float>> basis;    // [il * n_head_kv + h] -> [rank][head_dim], orthonormal rows
+  int rank = 0;                           // rho: rows of each basis
+  std::vector<std::vector<float>> basis;  // [il * n_head_kv + h] -> [rank][head_dim], orthonormal rows
 
   const float* of(int il, int h) const { return basis[size_t(il) * n_head_kv + h].data(); }
 };

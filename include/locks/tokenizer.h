@@ -58,8 +58,8 @@ class Tokenizer {
   // Pieces that merges may produce (normal, user-defined, unused), as SentencePiece's BPE does.
   std::unordered_map<std::string, int32_t, PieceHash, std::equal_to<>> piece_to_id_;
   std::vector<int32_t> user_defined_;  // ids of user-defined tokens, longest first
-  int32_t byte_ids_[256] = {};  // id of <0xNN>, or -1 when the vocabulary lacks it
-  bool user_first_byte_[256] = {};  // quick reject before trying user-defined matches
+  int32_t byte_ids_[256] = {};         // id of <0xNN>, or -1 when the vocabulary lacks it
+  bool user_first_byte_[256] = {};     // quick reject before trying user-defined matches
   int32_t bos_ = 1, eos_ = 2, unk_ = 0;
   bool add_bos_ = true;
   bool add_space_prefix_ = true;

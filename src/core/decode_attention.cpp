@@ -1,11 +1,11 @@
 // Decode attention over a page list: one pass, online softmax (the CPU twin of the split-K GPU kernel).
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "locks/attention.h"
 #include "locks/math.h"
@@ -19,10 +19,10 @@ void paged_decode_attention(const PagedKvCache& cache, int il, int kv_head, cons
   const int d = cfg.head_dim, B = cfg.page_size;
   constexpr int kMaxPage = 32, kMaxPageElems = 32 * 256;  // fixed stack buffers below
   if (B > kMaxPage || size_t(B) * d > size_t(kMaxPageElems))
-    throw std::invalid_argument(fmt::format(
-        "paged_decode_attention: page_size {} x head_dim {} exceeds the kernel's limits (page_size <= {}, "
-        "page_size * head_dim <= {})",
-        B, d, kMaxPage, kMaxPageElems));
+    throw std::invalid_argument(
+        fmt::format("paged_decode_attention: page_size {} x head_dim {} exceeds the kernel's limits (page_size <= {}, "
+                    "page_size * head_dim <= {})",
+                    B, d, kMaxPage, kMaxPageElems));
   cache.check_layer_head("paged_decode_attention", il, kv_head);
   cache.check_sequence("paged_decode_attention", seq, /*ids=*/false);
   if (n_group < 1) throw std::invalid_argument(fmt::format("paged_decode_attention: n_group {} < 1", n_group));

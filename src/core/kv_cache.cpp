@@ -1,5 +1,6 @@
 #include "locks/kv_cache.h"
 
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -8,8 +9,6 @@
 #include <cstring>
 #include <limits>
 #include <stdexcept>
-
-#include <fmt/format.h>
 
 namespace locks {
 
@@ -57,9 +56,10 @@ PagedKvCache::PagedKvCache(const KvCacheConfig& cfg) : cfg_(cfg) {
         "KV cache config: n_layer={}, n_head_kv={}, head_dim={}, page_size={}, n_pages={} must all be positive",
         cfg.n_layer, cfg.n_head_kv, cfg.head_dim, cfg.page_size, cfg.n_pages));
   if (cfg.page_size > 32)
-    throw std::invalid_argument(fmt::format("KV cache config: page_size {} > 32 (the CPU kernels' limit)", cfg.page_size));
-  const double bytes = 2.0 * cfg.n_layer * cfg.n_pages * cfg.n_head_kv * double(block_elems()) *
-                       double(kv_dtype_bytes(cfg.dtype));
+    throw std::invalid_argument(
+        fmt::format("KV cache config: page_size {} > 32 (the CPU kernels' limit)", cfg.page_size));
+  const double bytes =
+      2.0 * cfg.n_layer * cfg.n_pages * cfg.n_head_kv * double(block_elems()) * double(kv_dtype_bytes(cfg.dtype));
   if (bytes > 0.5 * double(std::numeric_limits<size_t>::max()))
     throw std::invalid_argument("KV cache config: pool size overflows");
   const size_t n = static_cast<size_t>(bytes / 2);
@@ -68,10 +68,10 @@ PagedKvCache::PagedKvCache(const KvCacheConfig& cfg) : cfg_(cfg) {
     v_ = ZeroedArray<uint8_t>(n);
   } catch (const std::bad_alloc&) {
     // The pool is committed only as pages fill, but the system can still refuse the address space.
-    throw std::runtime_error(fmt::format(
-        "KV cache: the system refuses to reserve {:.1f} GiB of address space for {} pages of K and V "
-        "({} tokens of context, committed only as pages fill); use less context",
-        bytes / double(1 << 30), cfg.n_pages, int64_t(cfg.n_pages) * cfg.page_size));
+    throw std::runtime_error(
+        fmt::format("KV cache: the system refuses to reserve {:.1f} GiB of address space for {} pages of K and V "
+                    "({} tokens of context, committed only as pages fill); use less context",
+                    bytes / double(1 << 30), cfg.n_pages, int64_t(cfg.n_pages) * cfg.page_size));
   }
   free_.resize(cfg.n_pages);
   for (int i = 0; i < cfg.n_pages; ++i) free_[i] = cfg.n_pages - 1 - i;
@@ -84,16 +84,17 @@ int32_t PagedKvCache::append_tokens(KvSequence& seq, int32_t n) {
   const int64_t B = cfg_.page_size;
   const int64_t new_len = int64_t(seq.n_tokens) + n;
   if (new_len > std::numeric_limits<int32_t>::max())
-    throw std::invalid_argument(fmt::format("append_tokens: {} more tokens would take the sequence's {} tokens past "
-                                            "the 2^31 - 1 a sequence can count",
-                                            n, seq.n_tokens));
+    throw std::invalid_argument(
+        fmt::format("append_tokens: {} more tokens would take the sequence's {} tokens past "
+                    "the 2^31 - 1 a sequence can count",
+                    n, seq.n_tokens));
   const int64_t need_pages = (new_len + B - 1) / B;
   const int64_t extra = need_pages - seq.n_pages();
   if (extra > static_cast<int64_t>(free_.size()))
-    throw std::runtime_error(fmt::format(
-        "KV page pool exhausted: {} more tokens need {} new pages but only {} of {} pages are free "
-        "(pool holds {} tokens)",
-        n, extra, free_.size(), cfg_.n_pages, int64_t(cfg_.n_pages) * B));
+    throw std::runtime_error(
+        fmt::format("KV page pool exhausted: {} more tokens need {} new pages but only {} of {} pages are free "
+                    "(pool holds {} tokens)",
+                    n, extra, free_.size(), cfg_.n_pages, int64_t(cfg_.n_pages) * B));
   // Pages are committed as they are written: refuse what this machine cannot hold now, rather than
   // be killed by the kernel's OOM killer halfway through a prefill. The new pages count with a
   // quarter on top for the selectors' per-page data (LOCKS summaries: ~10% of K+V). Read when
@@ -133,8 +134,8 @@ void PagedKvCache::release(KvSequence& seq) {
 void PagedKvCache::check_sequence(const char* what, const KvSequence& seq, bool ids) const {
   const int64_t B = cfg_.page_size, n = seq.n_pages();
   if (seq.n_tokens < 0 || (n == 0 ? seq.n_tokens != 0 : seq.n_tokens <= (n - 1) * B || seq.n_tokens > n * B))
-    throw std::invalid_argument(fmt::format("{}: a sequence of {} tokens cannot have {} pages of {} tokens", what,
-                                            seq.n_tokens, n, B));
+    throw std::invalid_argument(
+        fmt::format("{}: a sequence of {} tokens cannot have {} pages of {} tokens", what, seq.n_tokens, n, B));
   if (!ids) return;
   for (int32_t id : seq.page_table) check_page_in_use(what, id);
 }
@@ -146,8 +147,9 @@ void PagedKvCache::check_page_in_use(const char* what, int32_t page) const {
 }
 
 void PagedKvCache::page_error(int il, int32_t page, int kv_head) const {
-  throw std::out_of_range(fmt::format("KV cache: (layer {}, page id {}, KV head {}) outside [0, {}) x [0, {}) x [0, {})",
-                                      il, page, kv_head, cfg_.n_layer, cfg_.n_pages, cfg_.n_head_kv));
+  throw std::out_of_range(
+      fmt::format("KV cache: (layer {}, page id {}, KV head {}) outside [0, {}) x [0, {}) x [0, {})", il, page, kv_head,
+                  cfg_.n_layer, cfg_.n_pages, cfg_.n_head_kv));
 }
 
 void PagedKvCache::check_layer_head(const char* what, int il, int kv_head) const {
@@ -164,7 +166,8 @@ void PagedKvCache::check_page_id(const char* what, int32_t page) const {
 
 void PagedKvCache::check_page_position(const char* what, const KvSequence& seq, int32_t j) const {
   if (j < 0 || j >= seq.n_pages())
-    throw std::out_of_range(fmt::format("{}: page position {} outside the sequence's {} pages", what, j, seq.n_pages()));
+    throw std::out_of_range(
+        fmt::format("{}: page position {} outside the sequence's {} pages", what, j, seq.n_pages()));
   check_page_id(what, seq.page_table[j]);
 }
 
@@ -215,7 +218,11 @@ void PagedKvCache::to_f32(const ZeroedArray<uint8_t>& buf, int il, int32_t page,
     std::memcpy(out, p, block_elems() * 4);
 }
 
-void PagedKvCache::k_page_f32(int il, int32_t page, int kv_head, float* out) const { to_f32(k_, il, page, kv_head, out); }
-void PagedKvCache::v_page_f32(int il, int32_t page, int kv_head, float* out) const { to_f32(v_, il, page, kv_head, out); }
+void PagedKvCache::k_page_f32(int il, int32_t page, int kv_head, float* out) const {
+  to_f32(k_, il, page, kv_head, out);
+}
+void PagedKvCache::v_page_f32(int il, int32_t page, int kv_head, float* out) const {
+  to_f32(v_, il, page, kv_head, out);
+}
 
 }  // namespace locks

@@ -1,10 +1,10 @@
 // Algorithm 1 (arXiv 2607.24555, Sec. 3): the summary of one page of keys, in float64 (page_summary.h).
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "core/summary_limits.h"
 #include "locks/math.h"

@@ -2,14 +2,14 @@
 // (KV head, block of query tokens) with all G heads of the group stacked as rows, walks key blocks
 // of whole pages, and keeps an online softmax. Scores of one block live in a small tile, so memory
 // is O(block) for any context length.
+#include <fmt/format.h>
+
 #include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "locks/attention.h"
 #include "locks/math.h"
@@ -18,8 +18,8 @@ namespace locks {
 
 namespace {
 using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-constexpr int kQueryBlock = 128;      // tokens per task (x G rows)
-constexpr int kKeyBlockPages = 8;    // pages per key block (128 tokens at B = 16)
+constexpr int kQueryBlock = 128;   // tokens per task (x G rows)
+constexpr int kKeyBlockPages = 8;  // pages per key block (128 tokens at B = 16)
 }  // namespace
 
 void paged_prefill_attention(const PagedKvCache& cache, int il, const KvSequence& seq, int32_t pos0, int n_q,
@@ -29,7 +29,8 @@ void paged_prefill_attention(const PagedKvCache& cache, int il, const KvSequence
   // Checked here, before the parallel region (an exception cannot leave an OpenMP region).
   cache.check_layer_head("paged_prefill_attention", il);
   cache.check_sequence("paged_prefill_attention", seq, /*ids=*/true);
-  if (q == nullptr || out == nullptr) throw std::invalid_argument("paged_prefill_attention: q and out must not be null");
+  if (q == nullptr || out == nullptr)
+    throw std::invalid_argument("paged_prefill_attention: q and out must not be null");
   if (n_head < H || n_head % H != 0)
     throw std::invalid_argument(
         fmt::format("paged_prefill_attention: n_head {} is not a multiple of n_head_kv {}", n_head, H));

@@ -1,6 +1,7 @@
 // Eq. 4 (arXiv 2607.24555): the log-mass estimate of a page from its summary, for the float summary
 // (summary_log_mass), the stored one (PageSummaryStore::score, with an AVX2 kernel for the shipped
 // format), and the exact log-mass from the keys (exact_log_mass).
+#include <fmt/format.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -8,8 +9,6 @@
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
-
-#include <fmt/format.h>
 
 #include "core/summary_limits.h"
 #include "locks/math.h"

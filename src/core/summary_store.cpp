@@ -1,10 +1,10 @@
 // The quantized summary store (PageSummaryStore): the storage format, store (quantization through
 // locks/quant.h) and load. Its Eq. 4 kernels are in summary_score.cpp.
+#include <fmt/format.h>
+
 #include <cstring>
 #include <stdexcept>
 #include <string>
-
-#include <fmt/format.h>
 
 #include "core/summary_limits.h"
 #include "locks/page_summary.h"
@@ -17,9 +17,7 @@ namespace {
 using summary_detail::kMaxHeadDim;
 using summary_detail::kMaxPage;
 
-bool valid_bits(int b, bool allow_low) {
-  return b == 32 || b == 8 || (allow_low && (b == 16 || b == 4 || b == 2));
-}
+bool valid_bits(int b, bool allow_low) { return b == 32 || b == 8 || (allow_low && (b == 16 || b == 4 || b == 2)); }
 
 std::string bits_name(int b) { return b == 32 ? "f32" : b == 16 ? "bf16" : fmt::format("int{}", b); }
 
@@ -65,9 +63,10 @@ std::string SummaryFormat::describe() const {
 }
 
 void PageSummaryStore::index_error(int il, int kv_head, int32_t page) const {
-  throw std::out_of_range(fmt::format("page summary store: (layer {}, KV head {}, page id {}) outside [0, {}) x [0, {}) x "
-                                      "[0, {})",
-                                      il, kv_head, page, n_layer_, n_head_kv_, n_pages_));
+  throw std::out_of_range(
+      fmt::format("page summary store: (layer {}, KV head {}, page id {}) outside [0, {}) x [0, {}) x "
+                  "[0, {})",
+                  il, kv_head, page, n_layer_, n_head_kv_, n_pages_));
 }
 
 size_t PageSummaryStore::stored_index(int il, int kv_head, int32_t page) const {
@@ -82,8 +81,8 @@ PageSummaryStore::PageSummaryStore(const SummaryFormat& fmt, int n_layer, int n_
                                    int head_dim)
     : fmt_(fmt), n_layer_(n_layer), n_head_kv_(n_head_kv), n_pages_(n_pages), B_(page_size), d_(head_dim) {
   if (n_layer < 1 || n_head_kv < 1 || n_pages < 1)
-    throw std::invalid_argument(fmt::format("page summary store: {} layers x {} KV heads x {} pages (each must be >= 1)",
-                                            n_layer, n_head_kv, n_pages));
+    throw std::invalid_argument(fmt::format(
+        "page summary store: {} layers x {} KV heads x {} pages (each must be >= 1)", n_layer, n_head_kv, n_pages));
   fmt.validate(page_size, head_dim);
   const size_t r = fmt.rank;
   basis_stride_ = fmt.basis_bits == 32 ? r * d_ * 4 : packed_bytes(r * d_, fmt.basis_bits);
@@ -109,9 +108,9 @@ void PageSummaryStore::store(int il, int kv_head, int32_t page, const PageSummar
   const int r = fmt_.rank, d = d_;
   const int n_rows = int(s.coef.size()) / r;
   if (int(s.basis.size()) != r * d || int(s.centroid.size()) != d || n_rows != B_)
-    throw std::invalid_argument(fmt::format(
-        "page summary store: expects a full page summary of {} rows, rank {}, head_dim {} (got {} rows)", B_, r, d,
-        n_rows));
+    throw std::invalid_argument(
+        fmt::format("page summary store: expects a full page summary of {} rows, rank {}, head_dim {} (got {} rows)",
+                    B_, r, d, n_rows));
 
   uint8_t* bdst = basis_.data() + idx * basis_stride_;
   if (fmt_.basis_bits == 32) {
@@ -123,8 +122,8 @@ void PageSummaryStore::store(int il, int kv_head, int32_t page, const PageSummar
     // One scale per basis column (= per row of our [r][d] layout); columns packed one after another.
     const size_t col_bytes = packed_bytes(size_t(d), fmt_.basis_bits);  // d % 8 == 0: byte aligned
     for (int k = 0; k < r; ++k)
-      basis_scale_[idx * r + k] = quantize_group(&s.basis[size_t(k) * d], d, fmt_.basis_bits, bdst + k * col_bytes,
-                                                 "basis column");
+      basis_scale_[idx * r + k] =
+          quantize_group(&s.basis[size_t(k) * d], d, fmt_.basis_bits, bdst + k * col_bytes, "basis column");
   }
 
   uint8_t* cdst = coef_.data() + idx * coef_stride_;

@@ -5,8 +5,8 @@
 // ahead of the device) and an L2 flush (a 256 MiB read); CUDA events; warm-up, then the median of
 // `runs`; the paths alternate. Bytes are counted once, from the sizes the kernels read (see count_*).
 #include <algorithm>
-#include <cmath>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -264,8 +264,7 @@ int run_bench(const BenchOptions& o) {
         const size_t kv_elems = pool * H * 16 * D;
         const double kv_gib = 2.0 * kv_elems * 2 / double(1 << 30);
         if (kv_gib > o.max_gib) {
-          std::printf("| %s | %d | %d | skipped: KV %.1f GiB > %.0f GiB |\n", name.c_str(), ctx, B, kv_gib,
-                      o.max_gib);
+          std::printf("| %s | %d | %d | skipped: KV %.1f GiB > %.0f GiB |\n", name.c_str(), ctx, B, kv_gib, o.max_gib);
           continue;
         }
         DevMem k(kv_elems * 2), v(kv_elems * 2);
@@ -445,12 +444,12 @@ int run_bench(const BenchOptions& o) {
             dense_bytes / locks_bytes, build_pps * 1e-6, build_batch_us / 16.0 / ml, build_layers_us, md_st, ml_st);
         std::fflush(stdout);
         if (csv) {
-          std::fprintf(csv,
-                       "%s,%d,%d,%d,%d,%d,%.3f,%.0f,%.3f,%.0f,%.3f,%.0f,%.3f,%.3f,%.0f,%.0f,%.0f,%.3f,%.1f,%.1f,%.3f,%.3f,"
-                       "%.3f\n",
-                       name.c_str(), H, G, D, ctx, B, md, dense_bytes, ml, locks_bytes, msc, score_bytes, mss - msc,
-                       ma, attn_bytes, l2_bytes, build_pps, build_batch_us, read_gbs, copy_gbs, build_layers_us, md_st,
-                       ml_st);
+          std::fprintf(
+              csv,
+              "%s,%d,%d,%d,%d,%d,%.3f,%.0f,%.3f,%.0f,%.3f,%.0f,%.3f,%.3f,%.0f,%.0f,%.0f,%.3f,%.1f,%.1f,%.3f,%.3f,"
+              "%.3f\n",
+              name.c_str(), H, G, D, ctx, B, md, dense_bytes, ml, locks_bytes, msc, score_bytes, mss - msc, ma,
+              attn_bytes, l2_bytes, build_pps, build_batch_us, read_gbs, copy_gbs, build_layers_us, md_st, ml_st);
           std::fflush(csv);
         }
       }

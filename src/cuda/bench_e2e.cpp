@@ -92,10 +92,11 @@ int run_e2e_bench(const E2eOptions& o) {
     read_gbs = double(bytes) / median(us) * 1e-3;
     cudaStreamDestroy(s);
   }
-  std::printf("measured read bandwidth %.0f GB/s; LOCKS budget %d tokens, KV bf16, random bf16 weights, synthetic "
-              "KV with per-page dominant directions; TPOT = median of %d replayed steps (CUDA graphs), dense and "
-              "LOCKS alternating\n",
-              read_gbs, o.budget_tokens, o.steps);
+  std::printf(
+      "measured read bandwidth %.0f GB/s; LOCKS budget %d tokens, KV bf16, random bf16 weights, synthetic "
+      "KV with per-page dominant directions; TPOT = median of %d replayed steps (CUDA graphs), dense and "
+      "LOCKS alternating\n",
+      read_gbs, o.budget_tokens, o.steps);
   if (csv)
     std::fprintf(csv,
                  "shape,n_layer,n_head,n_head_kv,head_dim,n_ff,n_vocab,context,batch,tpot_dense_ms,tpot_locks_ms,"
@@ -123,9 +124,9 @@ int run_e2e_bench(const E2eOptions& o) {
         size_t free_b = 0, total_b = 0;
         ck(cudaMemGetInfo(&free_b, &total_b), "memory");
         const size_t rows = size_t(std::max(B, o.prefill_chunk));
-        const size_t buffers = rows * (size_t(hp.n_embd) * 10 + size_t(hp.n_ff) * 10 +
-                                       size_t(hp.n_head + 2 * hp.n_head_kv) * hp.head_dim * 4 +
-                                       size_t(hp.n_head) * hp.head_dim * 10);
+        const size_t buffers =
+            rows * (size_t(hp.n_embd) * 10 + size_t(hp.n_ff) * 10 +
+                    size_t(hp.n_head + 2 * hp.n_head_kv) * hp.head_dim * 4 + size_t(hp.n_head) * hp.head_dim * 10);
         if (pages * page_bytes + buffers + (size_t(2) << 30) > free_b) {
           std::printf("| %s | %dK | %d | skipped: KV %.0f GiB + buffers do not fit the %.0f GiB free |\n",
                       sh.name.c_str(), ctx / 1024, B, double(pages * page_bytes) / (1 << 30),
@@ -153,7 +154,8 @@ int run_e2e_bench(const E2eOptions& o) {
           const auto t0 = std::chrono::steady_clock::now();
           for (int off = 0; off < ctx; off += o.prefill_chunk) {
             const int n = std::min(o.prefill_chunk, ctx - off);
-            llama_forward(fwd, hp.n_layer, ForwardStep{std::span<const int32_t>(prompt.data() + off, size_t(n)), false});
+            llama_forward(fwd, hp.n_layer,
+                          ForwardStep{std::span<const int32_t>(prompt.data() + off, size_t(n)), false});
           }
           int32_t* d_next = nullptr;
           ck(cudaMallocAsync(reinterpret_cast<void**>(&d_next), 4, s), "alloc");
@@ -171,7 +173,8 @@ int run_e2e_bench(const E2eOptions& o) {
         // Synthetic KV for every sequence: ctx - 7 tokens (a partial recent page), all layers.
         for (int b = 0; b < B; ++b) cache.extend(b, ctx - 7, s);
         const size_t pool_elems = size_t(cache.n_pages_pool()) * hp.n_head_kv * 16 * hp.head_dim;
-        bench::fill_kv(cache.k_pool(), cache.v_pool(), pool_elems * hp.n_layer, hp.head_dim, true, uint32_t(ctx + B), s);
+        bench::fill_kv(cache.k_pool(), cache.v_pool(), pool_elems * hp.n_layer, hp.head_dim, true, uint32_t(ctx + B),
+                       s);
         {  // Alg. 1 on every full page of every sequence, all layers in one launch
           std::vector<int32_t> full;
           for (int b = 0; b < B; ++b) {
@@ -215,8 +218,8 @@ int run_e2e_bench(const E2eOptions& o) {
         double part_ms[5] = {NAN, NAN, NAN, NAN, NAN};
         if (o.breakdown) {
           fwd.set_sparse(true);
-          const unsigned parts[4] = {CudaForward::kPartGemm, CudaForward::kPartScoreSelect,
-                                     CudaForward::kPartAttention, CudaForward::kPartSummary};
+          const unsigned parts[4] = {CudaForward::kPartGemm, CudaForward::kPartScoreSelect, CudaForward::kPartAttention,
+                                     CudaForward::kPartSummary};
           for (int p = 0; p < 4; ++p) {
             fwd.set_parts(parts[p]);
             std::vector<double> v;
@@ -240,7 +243,8 @@ int run_e2e_bench(const E2eOptions& o) {
                     part_ms[2], part_ms[3], part_ms[4], ttft_s);
         std::fflush(stdout);
         if (csv) {
-          std::fprintf(csv, "%s,%d,%d,%d,%d,%d,%d,%d,%d,%.4f,%.4f,%.4f,%.4f,%zu,%.0f,%.4f,%.4f,%.4f,%.4f,%.4f,%.3f,%.1f\n",
+          std::fprintf(csv,
+                       "%s,%d,%d,%d,%d,%d,%d,%d,%d,%.4f,%.4f,%.4f,%.4f,%zu,%.0f,%.4f,%.4f,%.4f,%.4f,%.4f,%.3f,%.1f\n",
                        sh.name.c_str(), hp.n_layer, hp.n_head, hp.n_head_kv, hp.head_dim, hp.n_ff, hp.n_vocab, ctx, B,
                        md, ml, md / ml, roofline, weight_bytes, kv_bytes, part_ms[0], part_ms[1], part_ms[2],
                        part_ms[3], part_ms[4], ttft, read_gbs);

@@ -1,9 +1,9 @@
 // Kernels shared by the GPU benchmarks (bench_util.cuh).
-#include "bench_util.h"
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+#include "bench_util.h"
 
 namespace locks::cuda::bench {
 

@@ -175,10 +175,11 @@ __device__ __forceinline__ void wait_ready(const uint32_t* flag, uint32_t want) 
     const uint32_t v = ld_acquire_gpu(flag);
     if (int(v - want) >= 0) return;
     if (global_timer_ns() - t0 > kReadyTimeoutNs) {
-      printf("locks: a kernel waited 10 s for results published by the previous one (its ready counter %u, "
-             "expected %u): it was launched without its writer (ScoreParams::ready / SelectParams::score_ready "
-             "must come in pairs; after a failed step run init_decode_workspace)\n",
-             v, want);
+      printf(
+          "locks: a kernel waited 10 s for results published by the previous one (its ready counter %u, "
+          "expected %u): it was launched without its writer (ScoreParams::ready / SelectParams::score_ready "
+          "must come in pairs; after a failed step run init_decode_workspace)\n",
+          v, want);
       __trap();
     }
     __nanosleep(32);

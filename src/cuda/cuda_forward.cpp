@@ -2,14 +2,13 @@
 #include "cuda_forward.h"
 
 #include <cuda_runtime_api.h>
+#include <fmt/format.h>
 
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
-
-#include <fmt/format.h>
 
 #include "causal_attention.h"
 #include "model_ops.h"
@@ -191,7 +190,8 @@ bool CudaForward::begin(const ForwardStep& step) {
     for (int b = 0; b < n; ++b) cache_->reserve(b, 1, stream_);
   } else {
     if (n < 1 || n > cfg_.max_rows)
-      throw std::invalid_argument(fmt::format("CUDA engine: a prefill call takes 1 to {} tokens, not {}", cfg_.max_rows, n));
+      throw std::invalid_argument(
+          fmt::format("CUDA engine: a prefill call takes 1 to {} tokens, not {}", cfg_.max_rows, n));
     prefill_seq_ = 0;
     cache_->reserve(prefill_seq_, n, stream_);
   }
@@ -230,7 +230,8 @@ void CudaForward::account(DecodeTotals& t) const {
     const double dense = n * head_dim * el * 2;
     double read = dense;
     if (sparse_ && pages > cfg_.budget_pages)
-      read = (pages - 1) * rec + last * head_dim * el + (double(cfg_.budget_pages - 1) * kPageSize + last) * head_dim * el * 2;
+      read = (pages - 1) * rec + last * head_dim * el +
+             (double(cfg_.budget_pages - 1) * kPageSize + last) * head_dim * el * 2;
     t.dense_bytes += per_head * dense;
     t.bytes_read += per_head * read;
   }
@@ -285,8 +286,8 @@ void CudaForward::embed() {
 
 void CudaForward::rmsnorm(int il, NormWeight which) {
   const bool out = which == NormWeight::kOutput;
-  const float* w = out ? w_->output_norm
-                       : (which == NormWeight::kAttention ? w_->layers[il].attn_norm : w_->layers[il].ffn_norm);
+  const float* w =
+      out ? w_->output_norm : (which == NormWeight::kAttention ? w_->layers[il].attn_norm : w_->layers[il].ffn_norm);
   if (!on(kPartOther)) return;
   // The output norm of a prefill call needs the last row only.
   const int first = out && !decode_ ? rows_ - 1 : 0;
@@ -447,9 +448,9 @@ void CudaForward::logits() {
 
 void CudaForward::read_logits(int seq, std::span<float> out) {
   if (out.size() != size_t(hp_.n_vocab)) throw std::invalid_argument("CUDA engine: logits buffer size");
-  check(cudaMemcpyAsync(out.data(), logits_ + size_t(seq) * hp_.n_vocab, out.size() * 4, cudaMemcpyDeviceToHost,
-                        stream_),
-        "logits");
+  check(
+      cudaMemcpyAsync(out.data(), logits_ + size_t(seq) * hp_.n_vocab, out.size() * 4, cudaMemcpyDeviceToHost, stream_),
+      "logits");
   if (const uint32_t st = take_status(); st != 0) throw std::runtime_error("CUDA engine: " + describe_status(st));
 }
 
@@ -486,11 +487,10 @@ std::unique_ptr<ForwardOps> make_cuda_forward(const LlamaModel& model, const Eng
   if (cfg.device >= 0) check_cuda(cudaSetDevice(cfg.device), "cudaSetDevice");
   const bool tied = model.output.data.empty();
   constexpr size_t kF32Limit = size_t(2) << 30;
-  const WeightType type = cfg.weights == EngineWeights::kF32    ? WeightType::kF32
-                          : cfg.weights == EngineWeights::kBF16 ? WeightType::kBF16
-                          : DeviceWeights::bytes_for(model.hp, tied, WeightType::kF32) <= kF32Limit
-                              ? WeightType::kF32
-                              : WeightType::kBF16;
+  const WeightType type = cfg.weights == EngineWeights::kF32                                        ? WeightType::kF32
+                          : cfg.weights == EngineWeights::kBF16                                     ? WeightType::kBF16
+                          : DeviceWeights::bytes_for(model.hp, tied, WeightType::kF32) <= kF32Limit ? WeightType::kF32
+                                                                                                    : WeightType::kBF16;
   auto weights = std::make_shared<DeviceWeights>(DeviceWeights::upload(model, type));
   return std::make_unique<CudaForward>(std::move(weights), cfg);
 }

@@ -87,19 +87,19 @@ class CudaForward final : public ForwardOps {
   bool f32_ = false;  // float32 weights and product inputs (else bf16)
   unsigned parts_ = kPartAll;
   bool on(unsigned part) const { return (parts_ & part) != 0; }
-  bool locks_capable_ = false;   // the fast decode kernels apply (head_dim 64/128, G <= 16)
+  bool locks_capable_ = false;  // the fast decode kernels apply (head_dim 64/128, G <= 16)
 
   // Step state.
   bool decode_ = false;
-  int rows_ = 0;          // rows of the current step
-  int prefill_seq_ = 0;   // sequence of a prefill step
+  int rows_ = 0;         // rows of the current step
+  int prefill_seq_ = 0;  // sequence of a prefill step
   bool capturing_ = false;
   cudaGraphExec_t graphs_[2][2] = {{nullptr, nullptr}, {nullptr, nullptr}};  // [sparse][fills a page]
   int graph_slot_fill_ = 0;
 
   // Device buffers (max_rows rows).
   void* buffers_ = nullptr;
-  int32_t* tokens_ = nullptr;   // [max_rows]
+  int32_t* tokens_ = nullptr;  // [max_rows]
   int32_t* tokens_pinned_ = nullptr;
   cudaEvent_t tokens_copied_ = nullptr;
   float* x_ = nullptr;          // [rows][n_embd] residual stream

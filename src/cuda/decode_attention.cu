@@ -15,12 +15,12 @@
 //   V: lane 4g+t loads chunks g + 8u of tokens 2t, 2t+1, 2t+8, 2t+9; n-tile nt = 8u + e of the PV
 //      product holds output dims 64u + 8n + e for MMA column n, so the column of B a lane holds is
 //      its own chunk (g) and two rows pack into one register with a byte permute.
+#include <cooperative_groups.h>
+
 #include <algorithm>
 #include <cfloat>
 #include <climits>
 #include <cmath>
-
-#include <cooperative_groups.h>
 
 #include "common.cuh"
 #include "kernels_internal.h"
@@ -33,7 +33,7 @@ using namespace detail;
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kMaxSplits = 128;  // merge weights staged in shared memory
+constexpr int kMaxSplits = 128;        // merge weights staged in shared memory
 constexpr int kMaxClusterSplits = 16;  // AttentionParams::cluster_merge: the largest (non-portable) cluster
 
 // CTAs per split: 2 when the <= 8-row kernel (GT = 8) runs a group of more than 8 heads (group
@@ -54,7 +54,7 @@ __device__ __forceinline__ int list_length(const AttentionParams& p, bool sparse
   if (n_pages == 0 || !sparse) return n_pages;
   const int n = p.n_selected[bh];
   if (n > p.selected_stride || n > p.n_splits * p.pages_per_split) {  // (a split past the grid, a CTA
-    *fault = kStatusBadPageCount;                                      // past the cluster: never read)
+    *fault = kStatusBadPageCount;                                     // past the cluster: never read)
     return -1;
   }
   return n;
@@ -108,7 +108,9 @@ __device__ __forceinline__ bool split_range_of_slot(const AttentionParams& p, in
   if (p.kv.batch <= 32) {
     const LaneSplits l = lane_splits(p);
     // (one pass of the search: lane b is asked for sequence b's width, its own)
-    if (!find_slot_range(slot, p.kv.batch, [&](int) { return l.w; }, &r->b, &r->start, &r->a)) return false;
+    if (!find_slot_range(
+            slot, p.kv.batch, [&](int) { return l.w; }, &r->b, &r->start, &r->a))
+      return false;
     r->n = __shfl_sync(kFull, l.n, r->b);
     r->pbeg = __shfl_sync(kFull, l.lo, r->b);
     r->n_pages = __shfl_sync(kFull, l.hi, r->b) - r->pbeg;
@@ -117,8 +119,8 @@ __device__ __forceinline__ bool split_range_of_slot(const AttentionParams& p, in
     return true;
   }
   const long long total = balance_total(p);
-  if (!find_slot_range(slot, p.kv.batch, [&](int b) { return balanced_splits(p, b, total); }, &r->b, &r->start,
-                       &r->a))
+  if (!find_slot_range(
+          slot, p.kv.batch, [&](int b) { return balanced_splits(p, b, total); }, &r->b, &r->start, &r->a))
     return false;
   r->n = pages_for_balance(p, r->b);
   return true;
@@ -141,14 +143,13 @@ __device__ __forceinline__ SplitRange split_range_of_sequence(const AttentionPar
   return r;
 }
 
-
 // Which pages a launch attends: an instance per kind, so that dense instances carry no sparse-list
 // code and the unbalanced ones keep their split and sequence as launch indices (G = 16 runs at its
 // 255-register limit, where one instance for both split kinds slows the page loop).
 enum ListKind : int {
-  kSelectedPages = 0,  // sparse: the selected list
-  kAllPages = 1,       // dense, n_splits per sequence
-  kAllBalanced = 2,    // dense, AttentionParams::balance_splits with batch > 1
+  kSelectedPages = 0,    // sparse: the selected list
+  kAllPages = 1,         // dense, n_splits per sequence
+  kAllBalanced = 2,      // dense, AttentionParams::balance_splits with batch > 1
   kSelectedCluster = 3,  // sparse, AttentionParams::cluster_merge: the splits merge through DSMEM
 };
 __host__ __device__ constexpr int list_kind(bool sparse, bool balanced, bool cluster) {
@@ -159,10 +160,10 @@ template <int D, int GT, typename T, int LIST>
 __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) {
   constexpr bool BAL = LIST == kAllBalanced;
   constexpr bool CLU = LIST == kSelectedCluster;  // one cluster per (sequence, KV head): CTA rank = split
-  constexpr int KS = D / 16;   // k-steps of Q K^T
-  constexpr int NKC = D / 32;  // K chunks per token row per lane
-  constexpr int NVC = D / 64;  // V chunks per token row per lane
-  constexpr int NT = D / 8;    // n-tiles of P V
+  constexpr int KS = D / 16;                      // k-steps of Q K^T
+  constexpr int NKC = D / 32;                     // K chunks per token row per lane
+  constexpr int NVC = D / 64;                     // V chunks per token row per lane
+  constexpr int NT = D / 8;                       // n-tiles of P V
   constexpr int ROWS = GT / 8;
   static_assert(kWarps * GT * D >= kMaxSplits * 16, "the last CTA stages the merge weights in warp_o");
 
@@ -703,7 +704,7 @@ cudaError_t launch_list(const AttentionParams& p, cudaStream_t stream) {
     attr[n_attr++].val.programmaticStreamSerializationAllowed = 1;
   }
   if constexpr (LIST == kSelectedCluster) {  // the splits of a (sequence, KV head) as one cluster
-    if (p.n_splits > 8)  // non-portable size
+    if (p.n_splits > 8)                      // non-portable size
       if (const cudaError_t e = allow_large_clusters<attention_kernel<D, GT, T, LIST>>(); e != cudaSuccess) return e;
     attr[n_attr++] = cluster_dim_attr(p.n_splits);
   }
@@ -770,7 +771,8 @@ int max_active_clusters_of(int size) {
 int attention_max_active_clusters(int head_dim, KvType dtype, int size) {
   if (size < 1 || size > kMaxClusterSplits) return 0;
   const bool bf = dtype == KvType::kBF16;
-  if (head_dim == 64) return bf ? max_active_clusters_of<64, __nv_bfloat16>(size) : max_active_clusters_of<64, __half>(size);
+  if (head_dim == 64)
+    return bf ? max_active_clusters_of<64, __nv_bfloat16>(size) : max_active_clusters_of<64, __half>(size);
   return bf ? max_active_clusters_of<128, __nv_bfloat16>(size) : max_active_clusters_of<128, __half>(size);
 }
 
@@ -794,15 +796,16 @@ int occupancy_for(int group, bool sparse) {
 
 int attention_ctas_per_sm(int head_dim, int group, KvType dtype, bool sparse) {
   const bool bf = dtype == KvType::kBF16;
-  if (head_dim == 64) return bf ? occupancy_for<64, __nv_bfloat16>(group, sparse) : occupancy_for<64, __half>(group, sparse);
+  if (head_dim == 64)
+    return bf ? occupancy_for<64, __nv_bfloat16>(group, sparse) : occupancy_for<64, __half>(group, sparse);
   return bf ? occupancy_for<128, __nv_bfloat16>(group, sparse) : occupancy_for<128, __half>(group, sparse);
 }
 
 cudaError_t paged_decode_attention(const AttentionParams& p, cudaStream_t stream) {
   if (p.kv.batch <= 0 || p.kv.n_head_kv <= 0) return cudaSuccess;
   if (p.group < 1 || p.group > kMaxGroup || p.pages_per_split < 1 || p.n_splits < 1 || p.n_splits > kMaxSplits ||
-      (long long)p.n_splits * p.pages_per_split > INT_MAX ||
-      !p.q || !p.o || !p.kv.k || !p.kv.v || !p.kv.indptr || !p.kv.indices || !p.kv.last_page_len ||
+      (long long)p.n_splits * p.pages_per_split > INT_MAX || !p.q || !p.o || !p.kv.k || !p.kv.v || !p.kv.indptr ||
+      !p.kv.indices || !p.kv.last_page_len ||
       (p.n_splits > 1 && !p.cluster_merge && (!p.partial_o || !p.partial_lse || !p.counters)) ||
       (p.selected && !p.n_selected) ||
       (p.cluster_merge && (!p.selected || p.n_splits > kMaxClusterSplits || (p.group_halves && p.group > 8))))

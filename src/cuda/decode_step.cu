@@ -53,8 +53,10 @@ bool device_available(std::string* why) {
     if (why) {
       // The runtime says "driver version is insufficient" also where there is no driver (no GPU).
       if (e == cudaErrorInsufficientDriver)
-        *why = std::string("no CUDA device: no NVIDIA driver is loaded, or it is older than this build's CUDA "
-                           "runtime (") + cudaGetErrorString(e) + ")";
+        *why = std::string(
+                   "no CUDA device: no NVIDIA driver is loaded, or it is older than this build's CUDA "
+                   "runtime (") +
+               cudaGetErrorString(e) + ")";
       else
         *why = e != cudaSuccess ? std::string("no CUDA device: ") + cudaGetErrorString(e) : "no CUDA device";
     }
@@ -128,8 +130,7 @@ DecodePlan make_decode_plan(const DecodeShape& sh, int device, bool balance) {
   // sequence longer than the others may take up to a grid's worth per KV head, so the statistics
   // hold that many (ragged batches: docs/cuda-design.md).
   if (p.score_balance)
-    p.score_chunks =
-        std::max(p.score_equal_chunks, std::min(score_resident / sh.n_head_kv, div_up(sh.max_pages, 32)));
+    p.score_chunks = std::max(p.score_equal_chunks, std::min(score_resident / sh.n_head_kv, div_up(sh.max_pages, 32)));
   p.score_grid = int(std::min<long>(score_resident, bh * p.score_chunks));
   p.log_mass_stride = int(align_up(size_t(sh.max_pages), 8));
   // Many chunks per (sequence, KV head), i.e. small batches: the share kernel merges lse_total from
@@ -255,7 +256,8 @@ std::string describe_decode_status(uint32_t status) {
     if (!out.empty()) out += "; ";
     out += what;
   };
-  add(kStatusBadPageCount, "page count out of range (indptr descending, or more pages than the plan covers: max_pages)");
+  add(kStatusBadPageCount,
+      "page count out of range (indptr descending, or more pages than the plan covers: max_pages)");
   add(kStatusBadLastPageLen, "last_page_len outside 1..16");
   add(kStatusBadPageId, "page id outside [0, n_pages_pool)");
   add(kStatusBadKeys, "a page's keys are not finite (summary build)");
@@ -275,9 +277,7 @@ float* plan_lse_total(const DecodePlan& plan, void* ws) { return at<float>(ws, p
 int32_t* plan_selected(const DecodePlan& plan, void* ws) { return at<int32_t>(ws, plan.off_selected); }
 int32_t* plan_n_selected(const DecodePlan& plan, void* ws) { return at<int32_t>(ws, plan.off_n_selected); }
 
-bool select_per_pair(const DecodePlan& plan) {
-  return plan.select_cluster_pages && plan.pdl && !plan.defer_lse_total;
-}
+bool select_per_pair(const DecodePlan& plan) { return plan.select_cluster_pages && plan.pdl && !plan.defer_lse_total; }
 
 ScoreParams step_score_params(const DecodePlan& plan, const DecodeStepParams& p, bool paired) {
   ScoreParams sp;

@@ -1,14 +1,13 @@
 // Device KV cache: allocation sized from free memory, the host-side page allocator, and the step
 // kernel that advances lengths and rebuilds the CSR page tables on the device.
-#include "device_kv_cache.h"
-
 #include <cuda_runtime.h>
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <stdexcept>
 #include <string>
 
-#include <fmt/format.h>
+#include "device_kv_cache.h"
 
 namespace locks::cuda {
 
@@ -216,8 +215,8 @@ void DeviceKvCache::advance(int seq, int n_new, cudaStream_t stream) {
 void DeviceKvCache::enqueue_tables(int seq, int n_new, bool write_rows, cudaStream_t stream) {
   const int S = cfg_.max_seqs;
   advance_kernel<<<1, kAdvanceThreads, 0, stream>>>(lengths_, indptr_, last_page_len_, page_list_,
-                                                    cfg_.max_pages_per_seq, S, seq, n_new, row_seq_, row_pos_,
-                                                    filled_, write_rows);
+                                                    cfg_.max_pages_per_seq, S, seq, n_new, row_seq_, row_pos_, filled_,
+                                                    write_rows);
   if (indices_ != page_list_) {
     const dim3 grid(std::max(1, std::min(32, cfg_.max_pages_per_seq / 1024)), S);
     gather_indices_kernel<<<grid, 256, 0, stream>>>(indptr_, page_list_, cfg_.max_pages_per_seq, S, indices_);

@@ -19,10 +19,10 @@ struct DeviceKvConfig {
   int n_head_kv = 1;
   int head_dim = 128;
   KvType dtype = KvType::kBF16;
-  int max_seqs = 1;            // sequences of a decode batch
-  int max_pages_per_seq = 1;   // ceil(n_ctx / 16)
-  int max_rows = 1;            // rows of one forward call (prefill chunk, or max_seqs)
-  bool summaries = false;      // LOCKS records (head_dim 64 or 128)
+  int max_seqs = 1;           // sequences of a decode batch
+  int max_pages_per_seq = 1;  // ceil(n_ctx / 16)
+  int max_rows = 1;           // rows of one forward call (prefill chunk, or max_seqs)
+  bool summaries = false;     // LOCKS records (head_dim 64 or 128)
   /// Pages in the pool, 0: as many as the GPU's free memory holds, up to max_seqs * max_pages_per_seq,
   /// keeping `reserve_bytes` free for the rest of the engine.
   int n_pages_pool = 0;
@@ -49,14 +49,14 @@ class DeviceKvCache {
   uint8_t* records(int il) const;  // [n_head_kv][n_pages_pool][record_bytes], or null without summaries
   size_t records_layer_stride() const { return records_stride_; }
   size_t k_layer_stride() const { return k_stride_; }  // elements
-  void* k_pool() const { return k_; }  // [n_layer][n_pages_pool][n_head_kv][16][head_dim]
+  void* k_pool() const { return k_; }                  // [n_layer][n_pages_pool][n_head_kv][16][head_dim]
   void* v_pool() const { return v_; }
 
   // Step arrays on the device, written by advance().
-  const int32_t* row_seq() const { return row_seq_; }  // [max_rows]
-  const int32_t* row_pos() const { return row_pos_; }  // [max_rows]
-  const int32_t* filled() const { return filled_; }    // [max filled per step] page ids, -1: none
-  const int32_t* lengths() const { return lengths_; }  // [max_seqs] tokens stored
+  const int32_t* row_seq() const { return row_seq_; }             // [max_rows]
+  const int32_t* row_pos() const { return row_pos_; }             // [max_rows]
+  const int32_t* filled() const { return filled_; }               // [max filled per step] page ids, -1: none
+  const int32_t* lengths() const { return lengths_; }             // [max_seqs] tokens stored
   const int32_t* page_list_device() const { return page_list_; }  // [max_seqs][max_pages_per_seq]
 
   /// Host view of the lengths (what advance() has enqueued so far).

@@ -2,15 +2,13 @@
 #include "device_weights.h"
 
 #include <cuda_runtime_api.h>
+#include <fmt/format.h>
 
 #include <cmath>
-
 #include <cstring>
 #include <stdexcept>
 #include <string>
 #include <utility>
-
-#include <fmt/format.h>
 
 #include "locks/quant.h"
 #include "model_ops.h"
@@ -66,15 +64,15 @@ void allocate(DeviceWeights& w, void*& storage, const Layout& lay, const std::st
   size_t free_b = 0, total_b = 0;
   check(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");
   if (lay.total > free_b)
-    throw std::runtime_error(fmt::format("{} needs {:.1f} GiB of GPU memory for its {} weights; {:.1f} GiB of {:.1f} "
-                                         "are free",
-                                         what, double(lay.total) / (1 << 30), type_name(w.type),
-                                         double(free_b) / (1 << 30), double(total_b) / (1 << 30)));
+    throw std::runtime_error(
+        fmt::format("{} needs {:.1f} GiB of GPU memory for its {} weights; {:.1f} GiB of {:.1f} "
+                    "are free",
+                    what, double(lay.total) / (1 << 30), type_name(w.type), double(free_b) / (1 << 30),
+                    double(total_b) / (1 << 30)));
   if (cudaMalloc(&storage, lay.total) != cudaSuccess) {
     cudaGetLastError();
-    throw std::runtime_error(
-        fmt::format("{} needs {:.1f} GiB of GPU memory for its {} weights: cudaMalloc refused it", what,
-                    double(lay.total) / (1 << 30), type_name(w.type)));
+    throw std::runtime_error(fmt::format("{} needs {:.1f} GiB of GPU memory for its {} weights: cudaMalloc refused it",
+                                         what, double(lay.total) / (1 << 30), type_name(w.type)));
   }
   w.bytes = lay.total;
   auto* base = static_cast<unsigned char*>(storage);

@@ -14,12 +14,12 @@ namespace locks::cuda {
 enum class WeightType { kBF16, kF32 };
 
 struct DeviceLayer {
-  const void* w_qkv = nullptr;      // [(n_head + 2 n_head_kv) head_dim][n_embd]: rows of W_q, W_k, W_v
-  const void* w_o = nullptr;        // [n_embd][n_head head_dim]
-  const void* w_gate_up = nullptr;  // [2 n_ff][n_embd]: rows of W_gate, then W_up
-  const void* w_down = nullptr;     // [n_embd][n_ff]
-  const float* attn_norm = nullptr;     // [n_embd]
-  const float* ffn_norm = nullptr;      // [n_embd]
+  const void* w_qkv = nullptr;       // [(n_head + 2 n_head_kv) head_dim][n_embd]: rows of W_q, W_k, W_v
+  const void* w_o = nullptr;         // [n_embd][n_head head_dim]
+  const void* w_gate_up = nullptr;   // [2 n_ff][n_embd]: rows of W_gate, then W_up
+  const void* w_down = nullptr;      // [n_embd][n_ff]
+  const float* attn_norm = nullptr;  // [n_embd]
+  const float* ffn_norm = nullptr;   // [n_embd]
 };
 
 /// Owns one device allocation holding every tensor.

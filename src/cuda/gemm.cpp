@@ -5,8 +5,8 @@
 #include <dlfcn.h>
 
 #include <mutex>
-#include <type_traits>
 #include <stdexcept>
+#include <type_traits>
 
 namespace locks::cuda {
 
@@ -92,10 +92,9 @@ bool Gemm::run(const void* x, const void* w, bool f32, float* y, int rows, int n
   const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
   const cudaDataType in = f32 ? CUDA_R_32F : CUDA_R_16BF;
   const Cublas& lib = cublas();
-  const cublasStatus_t s =
-      lib.gemm_ex(static_cast<cublasHandle_t>(handle_), CUBLAS_OP_T, CUBLAS_OP_N, n_out, rows, n_in, &alpha, w, in,
-                  n_in, x, in, n_in, &beta, y, CUDA_R_32F, n_out,
-                  f32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  const cublasStatus_t s = lib.gemm_ex(static_cast<cublasHandle_t>(handle_), CUBLAS_OP_T, CUBLAS_OP_N, n_out, rows,
+                                       n_in, &alpha, w, in, n_in, x, in, n_in, &beta, y, CUDA_R_32F, n_out,
+                                       f32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   if (s == CUBLAS_STATUS_SUCCESS) return true;
   error_ = std::string("cuBLAS GEMM ") + std::to_string(rows) + "x" + std::to_string(n_out) + "x" +
            std::to_string(n_in) + ": " + lib.status_string(s);

@@ -803,8 +803,7 @@ __global__ void fill_uniform_bf16_kernel(__nv_bfloat16* dst, size_t n, float amp
   }
 }
 __global__ void fill_f32_kernel(float* dst, size_t n, float v) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    dst[i] = v;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) dst[i] = v;
 }
 
 }  // namespace

@@ -49,10 +49,9 @@ enum ModelStatus : uint32_t {
 std::string describe_model_status(uint32_t status);
 
 // ----------------------------------------------------------------------------------------------
-/// Token embedding: x[r] = float(table[tokens[r]]) (bf16, or float32 with f32). A token outside [0, n_vocab) gives a row of NaN
-/// and kStatusBadToken (the table is not read).
-/// Launch contract: grid (column blocks, min(n_rows, 65535)) x 256 threads; 16-byte loads where
-/// n_embd % 8 == 0 and table and x are 16-byte aligned.
+/// Token embedding: x[r] = float(table[tokens[r]]) (bf16, or float32 with f32). A token outside [0, n_vocab) gives a
+/// row of NaN and kStatusBadToken (the table is not read). Launch contract: grid (column blocks, min(n_rows, 65535)) x
+/// 256 threads; 16-byte loads where n_embd % 8 == 0 and table and x are 16-byte aligned.
 struct EmbedParams {
   const int32_t* tokens = nullptr;  // [n_rows]
   const void* table = nullptr;      // [n_vocab][n_embd] bf16 (float32 with f32), row-major
@@ -157,10 +156,10 @@ struct AppendKvParams {
 cudaError_t append_kv(const AppendKvParams& p, cudaStream_t stream);
 
 // ----------------------------------------------------------------------------------------------
-/// SwiGLU: out[r][i] = bf16(g / (1 + expf(-g)) * up[r][i]) (float32 with out_f32) with g = gate[r][i], in float32 as the
-/// CPU computes it (expf and an IEEE division). gate and up may be the two halves of one fused
-/// [n_rows][2 n_ff] GEMM output (gate = base, up = base + n_ff, both strides 2 n_ff).
-/// Launch contract: grid (column blocks, min(n_rows, 65535)) x 256 threads.
+/// SwiGLU: out[r][i] = bf16(g / (1 + expf(-g)) * up[r][i]) (float32 with out_f32) with g = gate[r][i], in float32 as
+/// the CPU computes it (expf and an IEEE division). gate and up may be the two halves of one fused [n_rows][2 n_ff]
+/// GEMM output (gate = base, up = base + n_ff, both strides 2 n_ff). Launch contract: grid (column blocks, min(n_rows,
+/// 65535)) x 256 threads.
 struct SwigluParams {
   const float* gate = nullptr;  // [n_rows][gate_stride]
   const float* up = nullptr;    // [n_rows][up_stride]

@@ -104,8 +104,9 @@ __device__ __forceinline__ void balanced_item(const ScoreParams& p, int item, lo
   }
   int width = 0;
   *b_out = -1;
-  find_slot_range(item, p.kv.batch, [&](int b) { return balanced_chunks(p, pages_for_balance(p, b), total, spare) * H; },
-                  b_out, start_out, &width);
+  find_slot_range(
+      item, p.kv.batch, [&](int b) { return balanced_chunks(p, pages_for_balance(p, b), total, spare) * H; }, b_out,
+      start_out, &width);
   *a_out = width / H;
 }
 
@@ -119,13 +120,13 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
   constexpr bool kRing = use_ring<GT>();
   constexpr int R = ring_slots<D, GT, MB>();
   static_assert(R > kWarps, "the ring must hold more octets than the warps compute");
-  extern __shared__ __align__(16) uint8_t ring[];        // [R][8][REC]; private stages: slot 2 warp + (k & 1)
+  extern __shared__ __align__(16) uint8_t ring[];  // [R][8][REC]; private stages: slot 2 warp + (k & 1)
   // Ring: a slot's phase completes with one arrival (the filling warp's lane 0, which arms it with the
   // octet's byte count) plus the bytes of its records' bulk copies, one per record; slot_use holds the
   // use last issued into the slot (published by the filling warp, awaited by the consumer).
   __shared__ __align__(8) uint64_t full[kRing ? R : 1];  // ring: slot barriers
   __shared__ uint32_t slot_use[kRing ? R : 1];           // ring: the use whose copy was issued last per slot
-  __shared__ float q_s[GT][D];  // the partial page's exact scores only
+  __shared__ float q_s[GT][D];                           // the partial page's exact scores only
   __shared__ float ex_logit[GT][16];
   __shared__ float ex_s2[GT];
   __shared__ float warp_m[kWarps][GT], warp_l[kWarps][GT];
@@ -189,7 +190,9 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
     const uint32_t fault = sequence_fault(
         n_pages, last_len, p.balance_chunks ? p.log_mass_stride : min(p.log_mass_stride, n_chunks * p.chunk_pages));
     // [b][h][row][chunk]: a warp of the merges below reads one head row's chunks contiguously.
-    auto chunk_stat = [&](int r) -> float2& { return reinterpret_cast<float2*>(p.chunk_stats)[(bh * 16 + r) * n_chunks + c]; };
+    auto chunk_stat = [&](int r) -> float2& {
+      return reinterpret_cast<float2*>(p.chunk_stats)[(bh * 16 + r) * n_chunks + c];
+    };
     // Item 0 alone: the statistics of chunks [from, n_chunks), every head row, set to v.
     auto fill_chunk_stats = [&](int from, float2 v) {
       for (int e = threadIdx.x; e < (n_chunks - from) * G; e += kThreads)
@@ -653,9 +656,9 @@ __global__ void __launch_bounds__(kThreads, MB) score_kernel(ScoreParams p) {
     // Last CTA of (b, h): lse_total[g] = logsumexp over every page (the share normaliser, Eq. 5).
     // The statistics of all heads and (up to 128) chunks are loaded at once: this is the kernel's tail,
     // where each further round trip adds to the step. Then the pair is complete (ScoreParams::ready).
-    merge_chunk_stats<(GT + kWarps - 1) / kWarps>(
-        reinterpret_cast<const float2*>(p.chunk_stats) + bh * 16 * n_chunks, n_chunks, active, G, warp, kWarps,
-        [&](int r, float v) { p.lse_total[bh * G + r] = v * kLn2; });
+    merge_chunk_stats<(GT + kWarps - 1) / kWarps>(reinterpret_cast<const float2*>(p.chunk_stats) + bh * 16 * n_chunks,
+                                                  n_chunks, active, G, warp, kWarps,
+                                                  [&](int r, float v) { p.lse_total[bh * G + r] = v * kLn2; });
     if (p.ready) publish_ready(p.ready + bh);
   }
 }
@@ -730,7 +733,7 @@ cudaError_t score_pages(const ScoreParams& p, cudaStream_t stream) {
       p.log_mass_stride <= 0 || p.n_pages_pool <= 0 || !p.q || !p.summaries || !p.log_mass || !p.lse_total ||
       !p.chunk_stats || !p.counters || !p.kv.indptr || !p.kv.indices || !p.kv.last_page_len || !p.kv.k ||
       reinterpret_cast<uintptr_t>(p.q) % 16 != 0 ||  // q is read as float4
-      (p.ready && p.defer_lse_total))               // ready: the pass merges lse_total itself
+      (p.ready && p.defer_lse_total))                // ready: the pass merges lse_total itself
     return cudaErrorInvalidValue;
   switch (p.kv.head_dim) {
     case 64:

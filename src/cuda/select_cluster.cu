@@ -3,6 +3,7 @@
 // (sequence, KV head). What the two kernels pass through global memory (keys, the histogram, the
 // candidate lists) stays in shared memory and crosses the cluster through distributed shared memory.
 #include <cooperative_groups.h>
+
 #include <cub/block/block_reduce.cuh>
 
 #include "kernels_internal.h"
@@ -24,8 +25,8 @@ using namespace detail;
 // key and the offset of its positions (barrier 3).
 constexpr int kFusedThreads = kSelectThreads;
 constexpr int kMaxSelectCluster = kSelectClusterMaxCtas;
-constexpr int kDirectGather = 2;      // clusters up to this size sum the histograms directly (below)
-constexpr int kRankCandidates = 256;  // the leader ranks up to this many candidates directly
+constexpr int kDirectGather = 2;                // clusters up to this size sum the histograms directly (below)
+constexpr int kRankCandidates = 256;            // the leader ranks up to this many candidates directly
 constexpr int kRoundPages = 4 * kFusedThreads;  // pages of one round of loads (4 per thread)
 static_assert(kClusterSelectPages % kRoundPages == 0 && kClusterSelectPages / 32 <= kFusedThreads,
               "whole rounds; one bitmap word per thread");
@@ -33,16 +34,16 @@ static_assert(kClusterSelectPages % kRoundPages == 0 && kClusterSelectPages / 32
 // The dynamic shared memory: this header, then the CTA's keys[P] (bit 31 set: the page's key, for
 // positions 1 .. n - 2 only) and bitmap[P / 32], so that a CTA holds only the pages it takes.
 struct alignas(16) FusedSelectSmem {
-  uint32_t hist[kHistBins];              // this CTA's histogram of share bits 30..20 (read by the cluster)
+  uint32_t hist[kHistBins];  // this CTA's histogram of share bits 30..20 (read by the cluster)
   // The cluster's histogram in [0, kHistBins) (above 2 CTAs, this CTA's slice of its sums in the
   // upper half first); after barrier 2 the leader's second level.
   uint32_t sub[kSubBins];
-  unsigned long long cand[kCandCap];     // leader: the threshold bin's keys, ranked(key, page)
-  int counts[kMaxSelectCluster];         // leader: each CTA's pages above the bin (+ sink / recent)
-  int taken[kMaxSelectCluster];          // leader: each CTA's pages of the bin that are in
-  int n_cand;                            // leader
-  int offset;                            // from the leader: this CTA's first output position
-  unsigned long long thr;                // from the leader: keys of the bin from thr up are in
+  unsigned long long cand[kCandCap];  // leader: the threshold bin's keys, ranked(key, page)
+  int counts[kMaxSelectCluster];      // leader: each CTA's pages above the bin (+ sink / recent)
+  int taken[kMaxSelectCluster];       // leader: each CTA's pages of the bin that are in
+  int n_cand;                         // leader
+  int offset;                         // from the leader: this CTA's first output position
+  unsigned long long thr;             // from the leader: keys of the bin from thr up are in
 };
 constexpr size_t fused_smem_bytes(int pages_per_cta) {
   return sizeof(FusedSelectSmem) + size_t(pages_per_cta) * 4 + size_t(pages_per_cta) / 8;
@@ -228,7 +229,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) share_select_cluster_kernel(
     }
   if (t == 0) {
     if (r == 0) atomicOr(&bitmap[0], 1u);  // sink page
-    const int last = n - 1 - j0;             // recent page
+    const int last = n - 1 - j0;           // recent page
     if (last >= 0 && last < P) atomicOr(&bitmap[last >> 5], 1u << (last & 31));
   }
   __syncthreads();
@@ -314,9 +315,9 @@ __global__ void __launch_bounds__(kFusedThreads, 1) share_select_cluster_kernel(
 }
 
 auto cluster_select_kernel_for(int group, bool merge) {
-  return group <= 8 ? (merge ? share_select_cluster_kernel<8, true> : share_select_cluster_kernel<8, false>)
-                    : (merge ? share_select_cluster_kernel<kMaxGroup, true>
-                             : share_select_cluster_kernel<kMaxGroup, false>);
+  return group <= 8
+             ? (merge ? share_select_cluster_kernel<8, true> : share_select_cluster_kernel<8, false>)
+             : (merge ? share_select_cluster_kernel<kMaxGroup, true> : share_select_cluster_kernel<kMaxGroup, false>);
 }
 
 // The one-kernel select's attributes (dynamic shared memory, clusters above 8) raised on the

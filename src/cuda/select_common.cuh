@@ -152,10 +152,11 @@ __device__ __forceinline__ uint32_t sub_bin(unsigned long long v) { return uint3
 // (n <= kCandCap), whose second-level histogram over share bits 19..8 is `sub`. Block-wide (all
 // kSelectThreads threads call it). Up to one key per thread: the sub-bin that holds it, then its rank
 // among that sub-bin's keys; more: a radix select over cand.
-__device__ inline unsigned long long threshold_key(const unsigned long long* cand, int n, uint32_t need, const uint32_t* sub,
-                                            typename cub::BlockScan<uint32_t, kSelectThreads>::TempStorage& tmp,
-                                            uint32_t* rhist, int* sh_bin, uint32_t* sh_above,
-                                            unsigned long long* sh_thr) {
+__device__ inline unsigned long long threshold_key(const unsigned long long* cand, int n, uint32_t need,
+                                                   const uint32_t* sub,
+                                                   typename cub::BlockScan<uint32_t, kSelectThreads>::TempStorage& tmp,
+                                                   uint32_t* rhist, int* sh_bin, uint32_t* sh_above,
+                                                   unsigned long long* sh_thr) {
   if (n > kSelectThreads) return radix_select_desc([&](int i) { return cand[i]; }, n, need, rhist, sh_bin, sh_above);
   block_find_threshold<kSelectThreads>(sub, kSubBins, need, sh_bin, sh_above, tmp);
   const uint32_t t2 = uint32_t(*sh_bin), need3 = need - *sh_above;  // >= 1 to take from sub-bin t2

@@ -120,8 +120,7 @@ __global__ void __launch_bounds__(kShareThreads) share_hist_kernel(SelectParams 
     }
   }
   __syncthreads();
-  if (threadIdx.x == 0)
-    p.n_candidates[bh * gridDim.x + blockIdx.x] = loc_count <= kCandSpill ? loc_count : -1;
+  if (threadIdx.x == 0) p.n_candidates[bh * gridDim.x + blockIdx.x] = loc_count <= kCandSpill ? loc_count : -1;
 }
 
 __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectParams p) {
@@ -262,7 +261,8 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectParams p) 
   const int n_cand = sh_ncand;
   if (n_cand <= kCandCap) {
     // Every candidate from the need2-th largest up is in (the 64-bit keys are distinct).
-    const unsigned long long thr = threshold_key(cand, n_cand, need2, hist, uscan_tmp, rhist, &sh_bin, &sh_above, &sh_thr);
+    const unsigned long long thr =
+        threshold_key(cand, n_cand, need2, hist, uscan_tmp, rhist, &sh_bin, &sh_above, &sh_thr);
     for (int i = threadIdx.x; i < n_cand; i += kSelectThreads) {
       const unsigned long long v = cand[i];
       if (v >= thr) {

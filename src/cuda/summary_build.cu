@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(kWarps * 32) summary_build_kernel(SummaryBuild
   const long layer = item / per_layer;
   const int32_t page = p.pages[(item % per_layer) / p.n_head_kv];
   const int h = int(item % p.n_head_kv);
-  if (page == -1) return;  // no page: the engine's decode step lists one entry per sequence
+  if (page == -1) return;                   // no page: the engine's decode step lists one entry per sequence
   if (!page_id_ok(page, p.n_pages_pool)) {  // bad input: nothing read or written
     if (lane == 0) raise_status(p.status, kStatusBadPageId);
     return;

@@ -1,14 +1,14 @@
 // `locks eval`, reporting: results.csv as rows finish, then the Markdown summary, locality.csv and
 // the SVG plots.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <array>
 #include <cmath>
 #include <filesystem>
 #include <limits>
 #include <stdexcept>
 #include <system_error>
-
-#include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include "eval/eval_internal.h"
 #include "locks/svg_plot.h"
@@ -104,9 +104,12 @@ std::string eval_summary_markdown(const EvalConfig& cfg, const std::vector<EvalR
   for (int len : cfg.lengths) {
     for (const auto& fam : cfg.families) {
       const bool retr = is_retrieval(fam);
-      out += retr ? fmt::format("## {} @ {} tokens — accuracy (correct / contexts) and read ratio vs dense\n\n", fam, len)
-                  : fmt::format("## continuation @ {} tokens — top-1 agreement with full attention, KL(full‖sel) "
-                                "nats/token, read ratio\n\n", len);
+      out +=
+          retr ? fmt::format("## {} @ {} tokens — accuracy (correct / contexts) and read ratio vs dense\n\n", fam, len)
+               : fmt::format(
+                     "## continuation @ {} tokens — top-1 agreement with full attention, KL(full‖sel) "
+                     "nats/token, read ratio\n\n",
+                     len);
       out += "| selector |";
       for (int b : cfg.budgets) out += fmt::format(" b={} |", b);
       out += "\n|---|";
@@ -130,7 +133,8 @@ std::string eval_summary_markdown(const EvalConfig& cfg, const std::vector<EvalR
           else if (retr)
             out += fmt::format(" {}/{} ({:.0f}%), read {:.3f} |", ok, n, 100.0 * ok / n, ratio / n);
           else
-            out += fmt::format(" {:.1f}%, KL {:.4f}, read {:.3f} |", 100.0 * tok_ok / std::max(tok, 1), kl / n, ratio / n);
+            out +=
+                fmt::format(" {:.1f}%, KL {:.4f}, read {:.3f} |", 100.0 * tok_ok / std::max(tok, 1), kl / n, ratio / n);
         }
         out += "\n";
       }
@@ -168,12 +172,12 @@ std::string eval_summary_markdown(const EvalConfig& cfg, const std::vector<EvalR
             kept += r.carrier_retention * r.carrier_obs;
             obs += r.carrier_obs;
           }
-        out += fmt::format("| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n", sel, b, num(m(&EvalRow::lse_mae)),
-                           num(m(&EvalRow::logit_mae)), num(m(&EvalRow::spearman)), num(m(&EvalRow::coverage)),
-                           num(m(&EvalRow::worst_head_coverage)), num(m(&EvalRow::oracle_coverage)),
-                           obs > 0 ? fmt::format("{:.3f} (n={:.0f})", kept / obs, obs) : "–",
-                           num(m(&EvalRow::carrier_retention_any)), num(m(&EvalRow::output_rel_err)),
-                           num(m(&EvalRow::read_ratio)));
+        out += fmt::format(
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n", sel, b, num(m(&EvalRow::lse_mae)),
+            num(m(&EvalRow::logit_mae)), num(m(&EvalRow::spearman)), num(m(&EvalRow::coverage)),
+            num(m(&EvalRow::worst_head_coverage)), num(m(&EvalRow::oracle_coverage)),
+            obs > 0 ? fmt::format("{:.3f} (n={:.0f})", kept / obs, obs) : "–", num(m(&EvalRow::carrier_retention_any)),
+            num(m(&EvalRow::output_rel_err)), num(m(&EvalRow::read_ratio)));
       }
     }
     out += "\n";
@@ -216,7 +220,8 @@ void write_eval_plots(const EvalConfig& cfg, const std::vector<EvalRow>& rows,
           double n = 0, ok = 0;
           for_rows(rows, fam, len, sel, b, [&](const EvalRow& r) {
             n += 1;
-            ok += is_retrieval(fam) ? double(r.correct) : double(r.answer_tokens_correct) / std::max(r.answer_tokens, 1);
+            ok +=
+                is_retrieval(fam) ? double(r.correct) : double(r.answer_tokens_correct) / std::max(r.answer_tokens, 1);
           });
           s.y.push_back(n > 0 ? 100.0 * ok / n : kNaN);
         }
@@ -272,7 +277,8 @@ void write_eval_plots(const EvalConfig& cfg, const std::vector<EvalRow>& rows,
   for (const auto& [len, results] : locality) {
     if (results.empty()) continue;
     std::vector<double> ranks(loc_ranks.begin(), loc_ranks.end());
-    PlotSeries pl{"page-local (LOCKS)", {}, {}}, sq{"sequence (ShadowKV scope)", {}, {}}, gl{"global (Loki scope)", {}, {}};
+    PlotSeries pl{"page-local (LOCKS)", {}, {}}, sq{"sequence (ShadowKV scope)", {}, {}},
+        gl{"global (Loki scope)", {}, {}};
     for (size_t k = 0; k < loc_ranks.size(); ++k) {
       const LocalityMean m = mean_locality(results, k);
       if (loc_ranks[k] <= 16) {

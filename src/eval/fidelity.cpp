@@ -66,10 +66,14 @@ void FidelityStats::add(const FidelityStats& o) {
 }
 
 FidelityStats::Means FidelityStats::mean() const {
-  return {nan_div(lse_abs_err, lse_n),       nan_div(logit_abs_err, logit_n),
-          nan_div(spearman, spearman_n),     nan_div(coverage, obs),
-          nan_div(worst_head_coverage, obs), nan_div(oracle_coverage, obs),
-          nan_div(output_rel_err, output_n), nan_div(carrier_kept, carrier_obs),
+  return {nan_div(lse_abs_err, lse_n),
+          nan_div(logit_abs_err, logit_n),
+          nan_div(spearman, spearman_n),
+          nan_div(coverage, obs),
+          nan_div(worst_head_coverage, obs),
+          nan_div(oracle_coverage, obs),
+          nan_div(output_rel_err, output_n),
+          nan_div(carrier_kept, carrier_obs),
           nan_div(carrier_any_kept, carrier_any_obs)};
 }
 
@@ -211,7 +215,8 @@ void FidelityProbe::observe(const PagedKvCache& cache, const KvSequence& seq, co
   // Carrier retention: pages holding the carrier tokens.
   std::vector<int> carrier_pages;
   for (int32_t pos : carrier_positions_)
-    if (pos >= 0 && pos < seq.n_tokens && std::find(carrier_pages.begin(), carrier_pages.end(), pos / B) == carrier_pages.end())
+    if (pos >= 0 && pos < seq.n_tokens &&
+        std::find(carrier_pages.begin(), carrier_pages.end(), pos / B) == carrier_pages.end())
       carrier_pages.push_back(pos / B);
   for (const int j : carrier_pages) {
     st.carrier_any_obs += 1;

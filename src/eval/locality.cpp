@@ -2,15 +2,14 @@
 // global-scope bases (see locks/locality.h).
 #include "locks/locality.h"
 
-#include <Eigen/Dense>
+#include <fmt/format.h>
 
+#include <Eigen/Dense>
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <stdexcept>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "locks/parallel_for.h"
 

@@ -2,12 +2,12 @@
 // are exactly those the reference model was trained on.
 #include "locks/needle_task.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <random>
 #include <sstream>
 #include <stdexcept>
-
-#include <fmt/format.h>
 
 namespace locks {
 
@@ -15,16 +15,16 @@ namespace {
 
 // Lowercase English words of 4-9 letters for needle keys.
 constexpr const char* kKeyWords[] = {
-    "apple",   "harbor",  "violet",  "marble",  "canyon",  "falcon",  "garden",  "silver",  "thunder", "meadow",
-    "lantern", "orbit",   "pepper",  "quartz",  "river",   "saddle",  "timber",  "velvet",  "walnut",  "yellow",
-    "anchor",  "bridge",  "candle",  "dragon",  "ember",   "forest",  "glacier", "hollow",  "island",  "jungle",
-    "kettle",  "ladder",  "mirror",  "needle",  "oyster",  "pillow",  "rocket",  "shadow",  "tunnel",  "umbrella",
-    "valley",  "window",  "basket",  "cobalt",  "desert",  "engine",  "feather", "galaxy",  "helmet",  "insect",
-    "jacket",  "kitten",  "lemon",   "magnet",  "nectar",  "olive",   "parrot",  "rabbit",  "sunset",  "tiger",
-    "copper",  "dolphin", "eagle",   "fabric",  "guitar",  "hammer",  "ivory",   "jasmine", "kingdom", "lotus",
-    "maple",   "nickel",  "ocean",   "planet",  "quiver",  "raven",   "spider",  "tomato",  "urchin",  "vessel",
-    "wizard",  "zebra",   "acorn",   "blossom", "crystal", "dusk",    "elbow",   "fossil",  "granite", "horizon",
-    "igloo",   "juniper", "koala",   "lagoon",  "mango",   "nutmeg",  "onion",   "pebble",  "radish",  "spruce"};
+    "apple",   "harbor",  "violet", "marble",  "canyon",  "falcon", "garden",  "silver",  "thunder", "meadow",
+    "lantern", "orbit",   "pepper", "quartz",  "river",   "saddle", "timber",  "velvet",  "walnut",  "yellow",
+    "anchor",  "bridge",  "candle", "dragon",  "ember",   "forest", "glacier", "hollow",  "island",  "jungle",
+    "kettle",  "ladder",  "mirror", "needle",  "oyster",  "pillow", "rocket",  "shadow",  "tunnel",  "umbrella",
+    "valley",  "window",  "basket", "cobalt",  "desert",  "engine", "feather", "galaxy",  "helmet",  "insect",
+    "jacket",  "kitten",  "lemon",  "magnet",  "nectar",  "olive",  "parrot",  "rabbit",  "sunset",  "tiger",
+    "copper",  "dolphin", "eagle",  "fabric",  "guitar",  "hammer", "ivory",   "jasmine", "kingdom", "lotus",
+    "maple",   "nickel",  "ocean",  "planet",  "quiver",  "raven",  "spider",  "tomato",  "urchin",  "vessel",
+    "wizard",  "zebra",   "acorn",  "blossom", "crystal", "dusk",   "elbow",   "fossil",  "granite", "horizon",
+    "igloo",   "juniper", "koala",  "lagoon",  "mango",   "nutmeg", "onion",   "pebble",  "radish",  "spruce"};
 
 size_t total_bytes(const std::vector<std::string>& docs) {
   size_t n = 0;
@@ -57,9 +57,12 @@ bool is_prefix(const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
 
 std::string needle_family_name(NeedleFamily f) {
   switch (f) {
-    case NeedleFamily::kSingle: return "single";
-    case NeedleFamily::kMultiKey: return "multikey";
-    case NeedleFamily::kMultiQuery: return "multiquery";
+    case NeedleFamily::kSingle:
+      return "single";
+    case NeedleFamily::kMultiKey:
+      return "multikey";
+    case NeedleFamily::kMultiQuery:
+      return "multiquery";
   }
   return "?";
 }
@@ -68,7 +71,8 @@ NeedleFamily parse_needle_family(const std::string& s) {
   if (s == "single") return NeedleFamily::kSingle;
   if (s == "multikey") return NeedleFamily::kMultiKey;
   if (s == "multiquery") return NeedleFamily::kMultiQuery;
-  throw std::invalid_argument(fmt::format("unknown task family '{}' (expected single, multikey, multiquery or continuation)", s));
+  throw std::invalid_argument(
+      fmt::format("unknown task family '{}' (expected single, multikey, multiquery or continuation)", s));
 }
 
 int NeedleTask::total_tokens() const {
@@ -79,7 +83,8 @@ int NeedleTask::total_tokens() const {
 
 NeedleTask make_needle_task(const std::vector<std::string>& docs, const Tokenizer& tok, NeedleFamily family,
                             int target_tokens, uint64_t seed) {
-  if (target_tokens < 256) throw std::invalid_argument(fmt::format("needle task of {} tokens: need >= 256", target_tokens));
+  if (target_tokens < 256)
+    throw std::invalid_argument(fmt::format("needle task of {} tokens: need >= 256", target_tokens));
   if (docs.empty()) throw std::invalid_argument("needle task: no documents");
   std::mt19937_64 rng(seed * 0x9E3779B97F4A7C15ull + 12345);
   NeedleTask task;
@@ -111,9 +116,9 @@ NeedleTask make_needle_task(const std::vector<std::string>& docs, const Tokenize
   const size_t want_chars = size_t(target_tokens) * 4 + 4096;
   for (size_t d = rng() % docs.size(), seen = 0; chars < want_chars; d = (d + 1) % docs.size(), ++seen) {
     if (seen > docs.size())
-      throw std::invalid_argument(fmt::format(
-          "needle task: the corpus holds {} bytes of text, fewer than the {} a {}-token haystack needs",
-          total_bytes(docs), want_chars, target_tokens));
+      throw std::invalid_argument(
+          fmt::format("needle task: the corpus holds {} bytes of text, fewer than the {} a {}-token haystack needs",
+                      total_bytes(docs), want_chars, target_tokens));
     for (auto& l : split_lines(docs[d])) {
       chars += l.size() + 1;
       lines.push_back(std::move(l));
@@ -200,8 +205,9 @@ std::vector<int32_t> make_text_tokens(const std::vector<std::string>& docs, cons
   size_t d = rng() % docs.size();
   for (size_t seen = 0; text.size() < want_bytes; d = (d + 1) % docs.size(), ++seen) {
     if (seen > docs.size())
-      throw std::invalid_argument(fmt::format("text tokens: the corpus holds {} bytes of text, fewer than the {} that {} tokens need",
-                                              total_bytes(docs), want_bytes, n_tokens));
+      throw std::invalid_argument(
+          fmt::format("text tokens: the corpus holds {} bytes of text, fewer than the {} that {} tokens need",
+                      total_bytes(docs), want_bytes, n_tokens));
     text += docs[d];
     text += "\n\n";
   }

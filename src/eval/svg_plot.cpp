@@ -1,6 +1,8 @@
 // Dependency-free SVG line and grouped-bar charts for evaluation reports (see locks/svg_plot.h).
 #include "locks/svg_plot.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
@@ -12,15 +14,13 @@
 #include <system_error>
 #include <vector>
 
-#include <fmt/format.h>
-
 namespace locks {
 
 namespace {
 
 constexpr double kWidth = 720, kHeight = 440;
-constexpr double kLeft = 70;    // room for y tick labels and the y axis label
-constexpr double kTop = 48;     // room for the title
+constexpr double kLeft = 70;      // room for y tick labels and the y axis label
+constexpr double kTop = 48;       // room for the title
 constexpr double kClampPx = 1e5;  // pixel coordinates are clamped to +-this (far-off points are clipped anyway)
 
 // Tableau 10: distinguishable, and still distinct in most colour-vision deficiencies.
@@ -174,20 +174,22 @@ void draw_y_axis(std::string& o, const Frame& f, const Axis& ya, const std::stri
                      px(f.x0), y, px(f.x1), y);
     o += fmt::format("<line x1=\"{}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"#333333\" stroke-width=\"1\"/>\n",
                      px(f.x0 - 5), y, px(f.x0), y);
-    o += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"end\" dy=\"0.35em\">{}</text>\n",
-                     px(f.x0 - 8), y, xml_escape(ya.labels[i]));
+    o += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"end\" dy=\"0.35em\">{}</text>\n", px(f.x0 - 8), y,
+                     xml_escape(ya.labels[i]));
   }
   const double cy = (f.y0 + f.y1) / 2;
-  o += fmt::format("<text x=\"16\" y=\"{0}\" transform=\"rotate(-90 16 {0})\" text-anchor=\"middle\" "
-                   "font-size=\"13\">{1}</text>\n",
-                   px(cy), xml_escape(y_label));
+  o += fmt::format(
+      "<text x=\"16\" y=\"{0}\" transform=\"rotate(-90 16 {0})\" text-anchor=\"middle\" "
+      "font-size=\"13\">{1}</text>\n",
+      px(cy), xml_escape(y_label));
   o += "</g>\n";
 }
 
 void draw_frame(std::string& o, const Frame& f) {
-  o += fmt::format("<rect x=\"{}\" y=\"{}\" width=\"{}\" height=\"{}\" fill=\"none\" stroke=\"#333333\" "
-                   "stroke-width=\"1\"/>\n",
-                   px(f.x0), px(f.y0), px(f.x1 - f.x0), px(f.y1 - f.y0));
+  o += fmt::format(
+      "<rect x=\"{}\" y=\"{}\" width=\"{}\" height=\"{}\" fill=\"none\" stroke=\"#333333\" "
+      "stroke-width=\"1\"/>\n",
+      px(f.x0), px(f.y0), px(f.x1 - f.x0), px(f.y1 - f.y0));
 }
 
 // Legend entries stacked at the right of the plot; `line` draws a line + marker, else a square.
@@ -207,8 +209,7 @@ void draw_legend(std::string& o, const Frame& f, const std::vector<std::string>&
       o += fmt::format("<rect x=\"{}\" y=\"{}\" width=\"14\" height=\"10\" fill=\"{}\"/>\n", px(x + 4), px(y - 5),
                        colour(i));
     }
-    o += fmt::format("<text x=\"{}\" y=\"{}\" dy=\"0.35em\">{}</text>\n", px(x + 28), px(y),
-                     xml_escape(names[i]));
+    o += fmt::format("<text x=\"{}\" y=\"{}\" dy=\"0.35em\">{}</text>\n", px(x + 28), px(y), xml_escape(names[i]));
   }
   o += "</g>\n";
 }
@@ -228,11 +229,21 @@ std::string xml_escape(const std::string& text) {
   for (char ch : text) {
     const unsigned char c = static_cast<unsigned char>(ch);
     switch (ch) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      case '\'': out += "&apos;"; break;
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      case '\'':
+        out += "&apos;";
+        break;
       default:
         if (c < 0x20 && c != '\t' && c != '\n' && c != '\r') break;  // not allowed in XML 1.0
         out += ch;
@@ -293,8 +304,8 @@ std::string svg_line_chart(const std::string& title, const std::string& x_label,
     o += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n", x, px(f.y1 + 18),
                      xml_escape(xa.labels[i]));
   }
-  o += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\" font-size=\"13\">{}</text>\n",
-                   px((f.x0 + f.x1) / 2), px(kHeight - 14), xml_escape(x_label));
+  o += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\" font-size=\"13\">{}</text>\n", px((f.x0 + f.x1) / 2),
+                   px(kHeight - 14), xml_escape(x_label));
   o += "</g>\n";
   draw_y_axis(o, f, ya, y_label);
   draw_frame(o, f);
@@ -312,9 +323,10 @@ std::string svg_line_chart(const std::string& title, const std::string& x_label,
       if (pts.size() >= 2) {
         std::string joined;
         for (size_t k = 0; k < pts.size(); ++k) joined += (k ? " " : "") + pts[k];
-        o += fmt::format("<polyline fill=\"none\" stroke=\"{}\" stroke-width=\"2\" stroke-linejoin=\"round\"{} "
-                         "points=\"{}\"/>\n",
-                         colour(si), dash_attr(si), joined);
+        o += fmt::format(
+            "<polyline fill=\"none\" stroke=\"{}\" stroke-width=\"2\" stroke-linejoin=\"round\"{} "
+            "points=\"{}\"/>\n",
+            colour(si), dash_attr(si), joined);
       }
       pts.clear();
     };
@@ -398,9 +410,10 @@ std::string svg_bar_chart(const std::string& title, const std::string& y_label,
       } else {
         const double ty = below ? yv + 3 : yv - 3;
         const double font = std::clamp(bw - 1, 7.0, 10.0);
-        o += fmt::format("<text x=\"{0}\" y=\"{1}\" transform=\"rotate(-90 {0} {1})\" text-anchor=\"{2}\" "
-                         "dy=\"0.35em\" font-size=\"{3}\">{4}</text>\n",
-                         px(cx), px(ty), below ? "end" : "start", px(font), label);
+        o += fmt::format(
+            "<text x=\"{0}\" y=\"{1}\" transform=\"rotate(-90 {0} {1})\" text-anchor=\"{2}\" "
+            "dy=\"0.35em\" font-size=\"{3}\">{4}</text>\n",
+            px(cx), px(ty), below ? "end" : "start", px(font), label);
       }
     }
   }

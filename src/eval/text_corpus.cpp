@@ -1,5 +1,6 @@
 #include "locks/text_corpus.h"
 
+#include <fmt/format.h>
 #include <lzma.h>
 
 #include <algorithm>
@@ -10,8 +11,6 @@
 #include <memory>
 #include <stdexcept>
 #include <system_error>
-
-#include <fmt/format.h>
 
 namespace locks {
 

@@ -1,15 +1,14 @@
 // ForwardOps on the CPU (cpu_forward.h): each operation of llama_forward on float32 host buffers.
 #include "cpu_forward.h"
 
-#include <Eigen/Core>
+#include <fmt/format.h>
 #include <omp.h>
 
+#include <Eigen/Core>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <stdexcept>
-
-#include <fmt/format.h>
 
 #include "locks/attention.h"
 #include "locks/parallel_for.h"
@@ -120,8 +119,7 @@ bool CpuForward::begin(const ForwardStep& step) {
 
 void CpuForward::embed() {
   const int E = model_.hp.n_embd;
-  for (size_t t = 0; t < tokens_.size(); ++t)
-    std::copy_n(&model_.tok_embd.data[size_t(tokens_[t]) * E], E, &x_[t * E]);
+  for (size_t t = 0; t < tokens_.size(); ++t) std::copy_n(&model_.tok_embd.data[size_t(tokens_[t]) * E], E, &x_[t * E]);
 }
 
 void CpuForward::rmsnorm(int il, NormWeight w) {
@@ -130,8 +128,9 @@ void CpuForward::rmsnorm(int il, NormWeight w) {
   if (w == NormWeight::kOutput)  // logits of the last token only
     locks::rmsnorm(&x_[size_t(T - 1) * E], model_.output_norm.data(), 1, E, hp.rms_eps, xn_.data());
   else
-    locks::rmsnorm(x_.data(), (w == NormWeight::kAttention ? model_.layers[il].attn_norm : model_.layers[il].ffn_norm).data(),
-                   T, E, hp.rms_eps, xn_.data());
+    locks::rmsnorm(x_.data(),
+                   (w == NormWeight::kAttention ? model_.layers[il].attn_norm : model_.layers[il].ffn_norm).data(), T,
+                   E, hp.rms_eps, xn_.data());
 }
 
 void CpuForward::qkv(int il) {
@@ -151,10 +150,11 @@ void CpuForward::rope_append(int il) {
     rope(&k_[t * NKV * HD], NKV, HD, hp.n_rot, pos, inv_freq_);
     try {
       cache_.write(il, seq_, pos, &k_[t * NKV * HD], &v_[t * NKV * HD]);  // append
-    } catch (const std::invalid_argument& e) {  // names the model, not only the cache
-      throw std::runtime_error(fmt::format("model '{}': the forward pass gave token {} of layer {} a key or value "
-                                           "the KV cache cannot store (NaN/Inf in the weights?): {}",
-                                           model_.name, pos, il, e.what()));
+    } catch (const std::invalid_argument& e) {                            // names the model, not only the cache
+      throw std::runtime_error(
+          fmt::format("model '{}': the forward pass gave token {} of layer {} a key or value "
+                      "the KV cache cannot store (NaN/Inf in the weights?): {}",
+                      model_.name, pos, il, e.what()));
     }
   }
   if (!filled_.empty()) selector_->on_pages_filled(cache_, il, filled_);  // Alg. 1, batched

@@ -61,12 +61,12 @@ class CpuForward final : public ForwardOps {
   int32_t pos0_ = 0;
   std::vector<int32_t> filled_;  // pages this step completes (Alg. 1 runs on them per layer)
   // Activations of the step's T rows.
-  std::vector<float> x_, xn_;        // [T][n_embd]
-  std::vector<float> q_, att_;       // [T][n_head][head_dim]
-  std::vector<float> k_, v_;         // [T][n_head_kv][head_dim]
-  std::vector<float> gate_, up_;     // [T][n_ff]; gate_ holds the SwiGLU product
-  std::vector<float> tmp_;           // [T][n_embd]
-  std::vector<float> logits_;        // [n_vocab] of the last row
+  std::vector<float> x_, xn_;     // [T][n_embd]
+  std::vector<float> q_, att_;    // [T][n_head][head_dim]
+  std::vector<float> k_, v_;      // [T][n_head_kv][head_dim]
+  std::vector<float> gate_, up_;  // [T][n_ff]; gate_ holds the SwiGLU product
+  std::vector<float> tmp_;        // [T][n_embd]
+  std::vector<float> logits_;     // [n_vocab] of the last row
 };
 
 }  // namespace locks

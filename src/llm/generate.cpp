@@ -1,11 +1,11 @@
 #include "locks/generate.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <chrono>
 #include <span>
 #include <stdexcept>
-
-#include <fmt/format.h>
 
 namespace locks {
 
@@ -21,21 +21,21 @@ GenerateResult generate(Session& session, const std::vector<int32_t>& prompt_ids
     throw std::logic_error(fmt::format("generate: the session already holds {} (generate starts a fresh one)",
                                        tokens(session.n_tokens())));
   if (opts.decode_tail < 0 || opts.decode_tail >= n_prompt)
-    throw std::invalid_argument(fmt::format("decode tail {} must be in [0, {}) for a prompt of {}",
-                                            opts.decode_tail, n_prompt, tokens(n_prompt)));
+    throw std::invalid_argument(fmt::format("decode tail {} must be in [0, {}) for a prompt of {}", opts.decode_tail,
+                                            n_prompt, tokens(n_prompt)));
   if (opts.max_tokens < 0) throw std::invalid_argument("max tokens must be >= 0");
   // The last generated token is sampled, never decoded: the cache holds n_prompt + max_tokens - 1.
   const int64_t positions = int64_t(n_prompt) + std::max(opts.max_tokens - 1, 0);
   if (positions > session.n_ctx())
-    throw std::length_error(fmt::format("prompt of {} + {} to generate needs {} KV-cache positions (the last "
-                                        "generated token is not stored), more than the context size of {}",
-                                        tokens(n_prompt), opts.max_tokens, positions, tokens(session.n_ctx())));
+    throw std::length_error(
+        fmt::format("prompt of {} + {} to generate needs {} KV-cache positions (the last "
+                    "generated token is not stored), more than the context size of {}",
+                    tokens(n_prompt), opts.max_tokens, positions, tokens(session.n_ctx())));
   GenerateResult res;
   res.prompt_ids = prompt_ids;
   const int n_prefill = n_prompt - opts.decode_tail;
   const auto t0 = std::chrono::steady_clock::now();
-  const std::vector<float>* logits =
-      &session.prefill(std::span<const int32_t>(prompt_ids.data(), size_t(n_prefill)));
+  const std::vector<float>* logits = &session.prefill(std::span<const int32_t>(prompt_ids.data(), size_t(n_prefill)));
   res.prefill_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   res.prefill_tokens = n_prefill;
   for (int i = n_prefill; i < n_prompt; ++i) logits = &session.decode(prompt_ids[i]);

@@ -3,19 +3,19 @@
 // ends in std::runtime_error rather than a crash or a huge allocation.
 #include "locks/gguf.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <bit>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
-#include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <limits>
 #include <stdexcept>
 #include <unordered_set>
 #include <utility>
-
-#include <sys/stat.h>
 
 #include "locks/quant.h"
 
@@ -31,19 +31,32 @@ constexpr uint32_t kMaxDims = 4;
 
 const char* value_type_name(VType t) {
   switch (t) {
-    case VType::U8: return "U8";
-    case VType::I8: return "I8";
-    case VType::U16: return "U16";
-    case VType::I16: return "I16";
-    case VType::U32: return "U32";
-    case VType::I32: return "I32";
-    case VType::F32: return "F32";
-    case VType::BOOL: return "BOOL";
-    case VType::STRING: return "STRING";
-    case VType::ARRAY: return "ARRAY";
-    case VType::U64: return "U64";
-    case VType::I64: return "I64";
-    case VType::F64: return "F64";
+    case VType::U8:
+      return "U8";
+    case VType::I8:
+      return "I8";
+    case VType::U16:
+      return "U16";
+    case VType::I16:
+      return "I16";
+    case VType::U32:
+      return "U32";
+    case VType::I32:
+      return "I32";
+    case VType::F32:
+      return "F32";
+    case VType::BOOL:
+      return "BOOL";
+    case VType::STRING:
+      return "STRING";
+    case VType::ARRAY:
+      return "ARRAY";
+    case VType::U64:
+      return "U64";
+    case VType::I64:
+      return "I64";
+    case VType::F64:
+      return "F64";
   }
   return "?";
 }
@@ -52,21 +65,42 @@ bool valid_value_type(uint32_t t) { return t <= static_cast<uint32_t>(VType::F64
 
 bool is_integer(VType t) {
   switch (t) {
-    case VType::U8: case VType::I8: case VType::U16: case VType::I16:
-    case VType::U32: case VType::I32: case VType::U64: case VType::I64: return true;
-    default: return false;
+    case VType::U8:
+    case VType::I8:
+    case VType::U16:
+    case VType::I16:
+    case VType::U32:
+    case VType::I32:
+    case VType::U64:
+    case VType::I64:
+      return true;
+    default:
+      return false;
   }
 }
 
 // Smallest encoding of one value of type t: what an array count is checked against.
 uint64_t min_value_size(VType t) {
   switch (t) {
-    case VType::U8: case VType::I8: case VType::BOOL: return 1;
-    case VType::U16: case VType::I16: return 2;
-    case VType::U32: case VType::I32: case VType::F32: return 4;
-    case VType::U64: case VType::I64: case VType::F64: return 8;
-    case VType::STRING: return 8;  // length prefix
-    case VType::ARRAY: return 12;  // element type + count
+    case VType::U8:
+    case VType::I8:
+    case VType::BOOL:
+      return 1;
+    case VType::U16:
+    case VType::I16:
+      return 2;
+    case VType::U32:
+    case VType::I32:
+    case VType::F32:
+      return 4;
+    case VType::U64:
+    case VType::I64:
+    case VType::F64:
+      return 8;
+    case VType::STRING:
+      return 8;  // length prefix
+    case VType::ARRAY:
+      return 12;  // element type + count
   }
   return 1;
 }
@@ -79,19 +113,34 @@ std::string type_desc(const GgufValue& v) {
 // Block geometry of the tensor types we decode; false for anything else.
 bool tensor_block(uint32_t type, uint64_t& block_elems, uint64_t& block_bytes) {
   switch (static_cast<GgmlType>(type)) {
-    case GgmlType::F32: block_elems = 1; block_bytes = 4; return true;
-    case GgmlType::F16: block_elems = 1; block_bytes = 2; return true;
-    case GgmlType::BF16: block_elems = 1; block_bytes = 2; return true;
-    case GgmlType::Q8_0: block_elems = 32; block_bytes = 34; return true;
-    case GgmlType::Q4_0: block_elems = 32; block_bytes = 18; return true;
+    case GgmlType::F32:
+      block_elems = 1;
+      block_bytes = 4;
+      return true;
+    case GgmlType::F16:
+      block_elems = 1;
+      block_bytes = 2;
+      return true;
+    case GgmlType::BF16:
+      block_elems = 1;
+      block_bytes = 2;
+      return true;
+    case GgmlType::Q8_0:
+      block_elems = 32;
+      block_bytes = 34;
+      return true;
+    case GgmlType::Q4_0:
+      block_elems = 32;
+      block_bytes = 18;
+      return true;
   }
   return false;
 }
 
 uint16_t load_u16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
 uint32_t load_u32(const uint8_t* p) {
-  return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) |
-         (static_cast<uint32_t>(p[2]) << 16) | (static_cast<uint32_t>(p[3]) << 24);
+  return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) | (static_cast<uint32_t>(p[2]) << 16) |
+         (static_cast<uint32_t>(p[3]) << 24);
 }
 uint64_t load_u64(const uint8_t* p) {
   return static_cast<uint64_t>(load_u32(p)) | (static_cast<uint64_t>(load_u32(p + 4)) << 32);
@@ -113,8 +162,8 @@ class Reader {
 
   const uint8_t* take(uint64_t n, const char* what) {
     if (n > remaining()) {
-      fail(std::string("truncated reading ") + what + " at offset " + std::to_string(pos_) +
-           " (need " + std::to_string(n) + " bytes, " + std::to_string(remaining()) + " left)");
+      fail(std::string("truncated reading ") + what + " at offset " + std::to_string(pos_) + " (need " +
+           std::to_string(n) + " bytes, " + std::to_string(remaining()) + " left)");
     }
     const uint8_t* p = b_.data() + pos_;
     pos_ += static_cast<size_t>(n);
@@ -128,9 +177,8 @@ class Reader {
   std::string str(const char* what) {
     const uint64_t n = u64(what);
     if (n > remaining()) {
-      fail(std::string(what) + " length " + std::to_string(n) + " exceeds the " +
-           std::to_string(remaining()) + " bytes left in the file (at offset " +
-           std::to_string(pos_) + ")");
+      fail(std::string(what) + " length " + std::to_string(n) + " exceeds the " + std::to_string(remaining()) +
+           " bytes left in the file (at offset " + std::to_string(pos_) + ")");
     }
     const uint8_t* p = take(n, what);
     return std::string(reinterpret_cast<const char*>(p), static_cast<size_t>(n));
@@ -140,18 +188,42 @@ class Reader {
     GgufValue v;
     v.type = t;
     switch (t) {
-      case VType::U8: v.value = uint64_t{u8("value")}; break;
-      case VType::I8: v.value = int64_t{static_cast<int8_t>(u8("value"))}; break;
-      case VType::U16: v.value = uint64_t{u16("value")}; break;
-      case VType::I16: v.value = int64_t{static_cast<int16_t>(u16("value"))}; break;
-      case VType::U32: v.value = uint64_t{u32("value")}; break;
-      case VType::I32: v.value = int64_t{static_cast<int32_t>(u32("value"))}; break;
-      case VType::U64: v.value = u64("value"); break;
-      case VType::I64: v.value = static_cast<int64_t>(u64("value")); break;
-      case VType::F32: v.value = double{std::bit_cast<float>(u32("value"))}; break;
-      case VType::F64: v.value = std::bit_cast<double>(u64("value")); break;
-      case VType::BOOL: v.value = uint64_t{u8("value") != 0}; break;
-      case VType::STRING: v.value = str("string value"); break;
+      case VType::U8:
+        v.value = uint64_t{u8("value")};
+        break;
+      case VType::I8:
+        v.value = int64_t{static_cast<int8_t>(u8("value"))};
+        break;
+      case VType::U16:
+        v.value = uint64_t{u16("value")};
+        break;
+      case VType::I16:
+        v.value = int64_t{static_cast<int16_t>(u16("value"))};
+        break;
+      case VType::U32:
+        v.value = uint64_t{u32("value")};
+        break;
+      case VType::I32:
+        v.value = int64_t{static_cast<int32_t>(u32("value"))};
+        break;
+      case VType::U64:
+        v.value = u64("value");
+        break;
+      case VType::I64:
+        v.value = static_cast<int64_t>(u64("value"));
+        break;
+      case VType::F32:
+        v.value = double{std::bit_cast<float>(u32("value"))};
+        break;
+      case VType::F64:
+        v.value = std::bit_cast<double>(u64("value"));
+        break;
+      case VType::BOOL:
+        v.value = uint64_t{u8("value") != 0};
+        break;
+      case VType::STRING:
+        v.value = str("string value");
+        break;
       case VType::ARRAY: {
         const uint32_t et = u32("array element type");
         if (!valid_value_type(et)) fail("unknown array element type " + std::to_string(et));
@@ -162,8 +234,8 @@ class Reader {
         const uint64_t n = u64("array count");
         const uint64_t min_size = min_value_size(v.array_type);
         if (n > remaining() / min_size) {
-          fail("array count " + std::to_string(n) + " of " + value_type_name(v.array_type) +
-               " exceeds what the " + std::to_string(remaining()) + " bytes left can hold");
+          fail("array count " + std::to_string(n) + " of " + value_type_name(v.array_type) + " exceeds what the " +
+               std::to_string(remaining()) + " bytes left can hold");
         }
         std::vector<GgufValue> items;
         items.reserve(static_cast<size_t>(n));
@@ -197,8 +269,7 @@ std::string dims_str(const std::vector<uint64_t>& ne) {
 // Element count and byte size of a tensor of `type` with dims `ne`; throws (via `fail`) when the
 // type is unsupported, a dim is zero, the row is not whole blocks, or anything overflows.
 template <class Fail>
-void tensor_size(uint32_t type, const std::vector<uint64_t>& ne, uint64_t& n_elements,
-                 uint64_t& n_bytes, Fail&& fail) {
+void tensor_size(uint32_t type, const std::vector<uint64_t>& ne, uint64_t& n_elements, uint64_t& n_bytes, Fail&& fail) {
   uint64_t be = 0, bb = 0;
   if (!tensor_block(type, be, bb)) {
     fail("unsupported tensor type " + std::to_string(type) + " (" + ggml_type_name(type) +
@@ -216,8 +287,8 @@ void tensor_size(uint32_t type, const std::vector<uint64_t>& ne, uint64_t& n_ele
     }
   }
   if (ne[0] % be != 0) {
-    fail("row length " + std::to_string(ne[0]) + " is not a multiple of the " +
-         ggml_type_name(type) + " block size " + std::to_string(be));
+    fail("row length " + std::to_string(ne[0]) + " is not a multiple of the " + ggml_type_name(type) + " block size " +
+         std::to_string(be));
   }
   if (!mul_ok(n / be, bb, n_bytes)) {
     fail("byte size overflows uint64 (dims " + dims_str(ne) + ", type " + ggml_type_name(type) + ")");
@@ -246,17 +317,22 @@ std::string gguf_quoted(std::string_view s) {
 
 std::string ggml_type_name(uint32_t type) {
   switch (static_cast<GgmlType>(type)) {
-    case GgmlType::F32: return "F32";
-    case GgmlType::F16: return "F16";
-    case GgmlType::Q4_0: return "Q4_0";
-    case GgmlType::Q8_0: return "Q8_0";
-    case GgmlType::BF16: return "BF16";
+    case GgmlType::F32:
+      return "F32";
+    case GgmlType::F16:
+      return "F16";
+    case GgmlType::Q4_0:
+      return "Q4_0";
+    case GgmlType::Q8_0:
+      return "Q8_0";
+    case GgmlType::BF16:
+      return "BF16";
   }
   return "type#" + std::to_string(type);
 }
 
 GgufFile GgufFile::open(const std::string& path) {
-  struct stat st{};
+  struct stat st {};
   if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode))  // a device or pipe has no size (/dev/zero: "0 bytes")
     throw std::runtime_error("GGUF '" + path + (S_ISDIR(st.st_mode) ? "': is a directory" : "': not a regular file"));
   errno = 0;
@@ -309,10 +385,9 @@ GgufFile GgufFile::from_bytes(std::vector<uint8_t> bytes, std::string name) {
     r.fail("tensor count " + std::to_string(n_tensors) + " exceeds what the remaining " +
            std::to_string(r.remaining()) + " bytes can hold");
   }
-  if (n_kv > r.remaining() / kMinKv ||
-      n_kv * kMinKv + n_tensors * kMinTensorInfo > r.remaining()) {
-    r.fail("metadata count " + std::to_string(n_kv) + " exceeds what the remaining " +
-           std::to_string(r.remaining()) + " bytes can hold");
+  if (n_kv > r.remaining() / kMinKv || n_kv * kMinKv + n_tensors * kMinTensorInfo > r.remaining()) {
+    r.fail("metadata count " + std::to_string(n_kv) + " exceeds what the remaining " + std::to_string(r.remaining()) +
+           " bytes can hold");
   }
 
   // --- metadata ---

@@ -1,4 +1,7 @@
 // GGUF -> LlamaModel: hyper-parameters from `llama.*` keys, weights dequantized to float32.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <cmath>
 #include <filesystem>
 #include <new>
@@ -6,9 +9,6 @@
 #include <string>
 #include <string_view>
 #include <system_error>
-
-#include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include "locks/model.h"
 
@@ -55,9 +55,7 @@ LlamaModel LlamaModel::from_gguf(const GgufFile& f) {
   LlamaModel m;
   m.name = f.has_key("general.name") ? f.get_string("general.name") : f.name();
   LlamaHparams& hp = m.hp;
-  auto bad = [&](const std::string& what) {
-    return std::runtime_error(fmt::format("GGUF '{}': {}", f.name(), what));
-  };
+  auto bad = [&](const std::string& what) { return std::runtime_error(fmt::format("GGUF '{}': {}", f.name(), what)); };
   // A size key read as u32 and checked before it becomes an int (0xFFFFFFFF must not wrap to -1).
   auto size_key = [&](const char* key, uint32_t v, uint32_t max) {
     if (v == 0 || v > max) throw bad(fmt::format("{} = {} is outside [1, {}]", key, v, max));
@@ -94,8 +92,8 @@ LlamaModel LlamaModel::from_gguf(const GgufFile& f) {
   hp.n_rot = int(n_rot);
   if (!(hp.rope_freq_base > 0.0f) || !(hp.rms_eps > 0.0f) || !std::isfinite(hp.rope_freq_base) ||
       !std::isfinite(hp.rms_eps))
-    throw bad(fmt::format("rope freq_base {} and RMSNorm eps {} must be finite and positive", hp.rope_freq_base,
-                          hp.rms_eps));
+    throw bad(
+        fmt::format("rope freq_base {} and RMSNorm eps {} must be finite and positive", hp.rope_freq_base, hp.rms_eps));
 
   m.tokenizer = Tokenizer::from_gguf(f);
   hp.n_vocab = m.tokenizer.n_vocab();

@@ -1,12 +1,12 @@
 #include "locks/sampler.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <numeric>
 #include <stdexcept>
 #include <vector>
-
-#include <fmt/format.h>
 
 namespace locks {
 

@@ -2,11 +2,11 @@
 // pass over them (llama_forward). Checks that do not depend on the device live here.
 #include "locks/session.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <chrono>
 #include <stdexcept>
-
-#include <fmt/format.h>
 
 #include "cpu_forward.h"
 #ifdef LOCKS_WITH_CUDA
@@ -24,12 +24,13 @@ constexpr int kPageSize = 16;
 std::unique_ptr<ForwardOps> make_cuda_ops(const LlamaModel& model, const SessionConfig& cfg, int n_ctx,
                                           int budget_pages, int prefill_chunk) {
   if (cfg.selector != "full" && cfg.selector != "locks")
-    throw std::invalid_argument(fmt::format(
-        "selector '{}' runs on the CPU only: --device cuda decodes with full or locks", cfg.selector));
+    throw std::invalid_argument(
+        fmt::format("selector '{}' runs on the CPU only: --device cuda decodes with full or locks", cfg.selector));
   if (cfg.selector == "locks" && !same_selector("locks", cfg.selector_opts, "locks", SelectorOptions{}))
-    throw std::invalid_argument(fmt::format("--device cuda runs LOCKS with its shipped summary (r=8, int4 basis, "
-                                            "int8 coefficients and centroid, share-average), not '{}'",
-                                            describe_selector("locks", cfg.selector_opts)));
+    throw std::invalid_argument(
+        fmt::format("--device cuda runs LOCKS with its shipped summary (r=8, int4 basis, "
+                    "int8 coefficients and centroid, share-average), not '{}'",
+                    describe_selector("locks", cfg.selector_opts)));
   cuda::EngineConfig ec;
   ec.n_ctx = n_ctx;
   ec.max_seqs = 1;
@@ -69,8 +70,9 @@ Session::Session(const LlamaModel& model, const SessionConfig& cfg)
 #ifdef LOCKS_WITH_CUDA
     ops_ = make_cuda_ops(model, cfg, n_ctx_, budget_pages_, prefill_chunk_);
 #else
-    throw std::runtime_error("--device cuda: this build of locks has no CUDA backend (nvcc was not found when it "
-                             "was configured, or -DLOCKS_CUDA=OFF)");
+    throw std::runtime_error(
+        "--device cuda: this build of locks has no CUDA backend (nvcc was not found when it "
+        "was configured, or -DLOCKS_CUDA=OFF)");
 #endif
   } else {
     KvCacheConfig c;
@@ -105,7 +107,8 @@ Session::~Session() = default;
 
 CpuForward& Session::cpu(const char* what) const {
   if (!cpu_)
-    throw std::logic_error(fmt::format("{}: the sequence is on the GPU (--device cuda); this needs the CPU engine", what));
+    throw std::logic_error(
+        fmt::format("{}: the sequence is on the GPU (--device cuda); this needs the CPU engine", what));
   return *cpu_;
 }
 
@@ -122,9 +125,9 @@ void Session::set_observer(DecodeObserver* observer) {
 
 int Session::check_budget(int budget_tokens, int B) {
   if (budget_tokens < 2 * B || budget_tokens % B != 0)
-    throw std::invalid_argument(fmt::format(
-        "budget {} tokens: must be a multiple of the page size {} and at least {} (sink + recent page)",
-        budget_tokens, B, 2 * B));
+    throw std::invalid_argument(
+        fmt::format("budget {} tokens: must be a multiple of the page size {} and at least {} (sink + recent page)",
+                    budget_tokens, B, 2 * B));
   return budget_tokens / B;
 }
 
@@ -135,8 +138,8 @@ Session Session::fork(const SessionConfig& cfg) const {
 
 Session Session::fork(const SessionConfig& cfg, const Selector& prepared) const {
   if (prepared.name() != cfg.selector)
-    throw std::invalid_argument(fmt::format("fork: the prepared selector is '{}', the config names '{}'",
-                                            prepared.name(), cfg.selector));
+    throw std::invalid_argument(
+        fmt::format("fork: the prepared selector is '{}', the config names '{}'", prepared.name(), cfg.selector));
   if (!same_selector(prepared.name(), prepared.options(), cfg.selector, cfg.selector_opts))
     throw std::invalid_argument(fmt::format("fork: the prepared selector was made as '{}', the config asks for '{}'",
                                             describe_selector(prepared.name(), prepared.options()),

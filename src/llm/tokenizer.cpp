@@ -21,7 +21,7 @@ namespace locks {
 
 namespace {
 
-constexpr std::string_view kSpace = "\xE2\x96\x81";  // U+2581 "▁"
+constexpr std::string_view kSpace = "\xE2\x96\x81";         // U+2581 "▁"
 constexpr std::string_view kUnkSurface = " \xE2\x81\x87 ";  // SentencePiece's rendering of <unk>
 enum TokenType : int32_t { kNormal = 1, kUnknown = 2, kControl = 3, kUserDefined = 4, kUnused = 5, kByte = 6 };
 
@@ -43,8 +43,10 @@ int parse_byte_piece(const std::string& s) {
   int v = 0;
   for (int i = 3; i < 5; ++i) {
     const char c = s[static_cast<size_t>(i)];
-    const int d = c >= '0' && c <= '9' ? c - '0' : c >= 'A' && c <= 'F' ? c - 'A' + 10
-                : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+    const int d = c >= '0' && c <= '9'   ? c - '0'
+                  : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                  : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                                         : -1;
     if (d < 0) return -1;
     v = v * 16 + d;
   }
@@ -99,8 +101,8 @@ Tokenizer Tokenizer::from_gguf(const GgufFile& gguf) {
   const size_t n = t.pieces_.size();
   if (n == 0) fail("tokenizer.ggml.tokens is empty");
   if (n > static_cast<size_t>(INT32_MAX)) fail("tokenizer.ggml.tokens is too large");
-  t.scores_ = gguf.has_key("tokenizer.ggml.scores") ? gguf.get_f32_array("tokenizer.ggml.scores")
-                                                    : std::vector<float>(n, 0.0f);
+  t.scores_ =
+      gguf.has_key("tokenizer.ggml.scores") ? gguf.get_f32_array("tokenizer.ggml.scores") : std::vector<float>(n, 0.0f);
   t.types_ = gguf.has_key("tokenizer.ggml.token_type") ? gguf.get_i32_array("tokenizer.ggml.token_type")
                                                        : std::vector<int32_t>(n, kNormal);
   if (t.scores_.size() != n) {
@@ -121,7 +123,8 @@ Tokenizer Tokenizer::from_gguf(const GgufFile& gguf) {
 
   auto special = [&](const char* key, int32_t fallback) {
     const uint32_t id = gguf.get_u32_or(key, static_cast<uint32_t>(fallback));
-    if (id >= n) fail(std::string(key) + " = " + std::to_string(id) + " is out of range (vocab " + std::to_string(n) + ")");
+    if (id >= n)
+      fail(std::string(key) + " = " + std::to_string(id) + " is out of range (vocab " + std::to_string(n) + ")");
     return static_cast<int32_t>(id);
   };
   t.bos_ = special("tokenizer.ggml.bos_token_id", 1);
@@ -167,9 +170,8 @@ Tokenizer Tokenizer::from_gguf(const GgufFile& gguf) {
     t.remove_extra_whitespaces_ = gguf.get_bool_or("tokenizer.ggml.remove_extra_whitespaces", false);
   } else {
     const std::string run = std::string(kSpace) + std::string(kSpace);
-    t.remove_extra_whitespaces_ = std::none_of(t.pieces_.begin(), t.pieces_.end(), [&](const std::string& p) {
-      return p.find(run) != std::string::npos;
-    });
+    t.remove_extra_whitespaces_ = std::none_of(t.pieces_.begin(), t.pieces_.end(),
+                                               [&](const std::string& p) { return p.find(run) != std::string::npos; });
   }
   std::stable_sort(t.user_defined_.begin(), t.user_defined_.end(), [&](int32_t a, int32_t b) {
     return t.pieces_[static_cast<size_t>(a)].size() > t.pieces_[static_cast<size_t>(b)].size();
@@ -311,14 +313,17 @@ std::string Tokenizer::token_to_piece(int32_t id) const {
   }
   const auto i = static_cast<size_t>(id);
   switch (types_[i]) {
-    case kControl: return "";
-    case kUnknown: return std::string(kUnkSurface);
+    case kControl:
+      return "";
+    case kUnknown:
+      return std::string(kUnkSurface);
     case kByte: {
       const int b = parse_byte_piece(pieces_[i]);
       if (b >= 0) return std::string(1, static_cast<char>(b));
       return pieces_[i];
     }
-    default: return replace_space_symbol(pieces_[i]);
+    default:
+      return replace_space_symbol(pieces_[i]);
   }
 }
 

@@ -4,12 +4,12 @@
 // the rank-0 case of Eq. 4 (LOCKS without basis and coefficients). By Jensen it never exceeds the
 // exact page LSE. Stored per (page, KV head): mu_j at centroid_bits, as LOCKS stores its centroid
 // (8: int8 codes + one f16 scale, d + 2 bytes; 32: float32, 4d bytes).
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "locks/math.h"
 #include "selectors/qvec.h"
@@ -17,7 +17,9 @@
 
 namespace locks {
 
-size_t CentroidSelector::page_bytes(int head_dim, int centroid_bits) { return qvec::bytes(size_t(head_dim), centroid_bits); }
+size_t CentroidSelector::page_bytes(int head_dim, int centroid_bits) {
+  return qvec::bytes(size_t(head_dim), centroid_bits);
+}
 
 CentroidSelector::CentroidSelector(const KvCacheConfig& cfg, int centroid_bits, GroupRule rule)
     : EstimatingSelector(rule), centroid_bits_(centroid_bits), d_(cfg.head_dim), B_(cfg.page_size) {

@@ -1,7 +1,7 @@
 // `full`: dense attention over every page (the reference every sparse method is judged against).
-#include "selectors/selectors.h"
-
 #include <numeric>
+
+#include "selectors/selectors.h"
 
 namespace locks {
 

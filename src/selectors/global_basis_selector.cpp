@@ -5,10 +5,10 @@
 //   s_hat_j(q) = logsumexp_i (q.mu_j + (V q).c_i) / sqrt(d).
 // rho may be smaller than the calibrated rank (the leading rho directions are used). Bytes read per
 // step: the basis once (rho * d * 4) plus shared_basis_page_bytes() per page with metadata.
+#include <fmt/format.h>
+
 #include <stdexcept>
 #include <utility>
-
-#include <fmt/format.h>
 
 #include "selectors/selectors.h"
 
@@ -24,9 +24,9 @@ GlobalBasisSelector::GlobalBasisSelector(const KvCacheConfig& cfg, const Summary
   const GlobalBasis& g = *global_;
   if (g.n_layer != cfg.n_layer || g.n_head_kv != cfg.n_head_kv || g.head_dim != cfg.head_dim ||
       g.basis.size() != size_t(cfg.n_layer) * cfg.n_head_kv)
-    throw std::invalid_argument(fmt::format(
-        "global-basis: calibrated for {} layers x {} KV heads x head_dim {}, cache has {} x {} x {}", g.n_layer,
-        g.n_head_kv, g.head_dim, cfg.n_layer, cfg.n_head_kv, cfg.head_dim));
+    throw std::invalid_argument(
+        fmt::format("global-basis: calibrated for {} layers x {} KV heads x head_dim {}, cache has {} x {} x {}",
+                    g.n_layer, g.n_head_kv, g.head_dim, cfg.n_layer, cfg.n_head_kv, cfg.head_dim));
   if (g.rank < rho)
     throw std::invalid_argument(fmt::format(
         "global-basis: the calibrated basis has rank {}, the selector needs rho = {} (calibrate with rank >= {})",

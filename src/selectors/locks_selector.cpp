@@ -1,10 +1,10 @@
 // `locks`: Algorithm 2. Score every page from its summary alone (Eq. 4), per-head shares, GQA group
 // average (Eq. 5), keep sink + recent + top-(k-2).
-#include "selectors/selectors.h"
-
 #include <algorithm>
 #include <cmath>
 #include <vector>
+
+#include "selectors/selectors.h"
 
 namespace locks {
 

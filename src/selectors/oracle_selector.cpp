@@ -1,9 +1,9 @@
 // `oracle`: the exact page log-mass s_j(q) from every key (reads the whole K cache), then the same
 // selection rules as LOCKS. It is the ceiling a summary-based selector can reach.
-#include "selectors/selectors.h"
-
 #include <cmath>
 #include <vector>
+
+#include "selectors/selectors.h"
 
 namespace locks {
 

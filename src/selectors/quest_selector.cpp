@@ -5,11 +5,11 @@
 // an estimate of the page LSE (which lies in [max logit, max logit + log B]).
 // Stored per (page, KV head): d min then d max, f16, rounded outward (min down, max up) so the
 // bound survives rounding: 2 * d * 2 = 4d bytes, all read at every step.
+#include <fmt/format.h>
+
 #include <cmath>
 #include <stdexcept>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "locks/math.h"
 #include "selectors/qvec.h"

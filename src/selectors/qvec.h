@@ -8,12 +8,12 @@
 // byte counts equal SummaryFormat::bytes() for the same fields.
 #pragma once
 
+#include <fmt/format.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
-
-#include <fmt/format.h>
 
 #include "locks/quant.h"
 

@@ -15,8 +15,8 @@ namespace {
 // rho of the shared-basis scopes: the option, or matched bytes with the LOCKS summary format.
 int shared_rank(const KvCacheConfig& cfg, const SelectorOptions& opts) {
   if (opts.shared_rank < 0 || opts.shared_rank > cfg.head_dim)
-    throw std::invalid_argument(
-        fmt::format("shared basis rank {} outside [1, head_dim {}] (0 = matched bytes)", opts.shared_rank, cfg.head_dim));
+    throw std::invalid_argument(fmt::format("shared basis rank {} outside [1, head_dim {}] (0 = matched bytes)",
+                                            opts.shared_rank, cfg.head_dim));
   if (opts.shared_rank > 0) return opts.shared_rank;
   opts.summary.validate(cfg.page_size, cfg.head_dim);
   return matched_bytes_rank(opts.summary, cfg.page_size, cfg.head_dim);
@@ -136,7 +136,8 @@ std::string describe_selector(const std::string& name, const SelectorOptions& op
   return fmt::format("{}", fmt::join(words, " "));
 }
 
-std::unique_ptr<Selector> make_selector(const std::string& name, const KvCacheConfig& cfg, const SelectorOptions& opts) {
+std::unique_ptr<Selector> make_selector(const std::string& name, const KvCacheConfig& cfg,
+                                        const SelectorOptions& opts) {
   const SelectorRow* row = find_row(name);
   if (!row)
     throw std::invalid_argument(

@@ -9,12 +9,12 @@
 // plus r standard deviations sigma_k / sqrt(B) (f16; f32 when the basis is f32), in place of LOCKS's
 // B x r coefficients: comparable to (a little below) LOCKS's bytes, e.g. at the shipped format
 // (r = 8, int4 basis, int8 centroid) (d + 2) + r (d/2 + 2) + 2r bytes = 354 at d = 64 (LOCKS: 498).
+#include <fmt/format.h>
+
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "locks/math.h"
 #include "locks/page_summary.h"
@@ -43,7 +43,8 @@ SecondMomentSelector::SecondMomentSelector(const KvCacheConfig& cfg, const Summa
 
 void SecondMomentSelector::do_on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) {
   const int B = cache.page_size(), d = d_, r = fmt_.rank;
-  const size_t mu_bytes = qvec::bytes(size_t(d), fmt_.centroid_bits), col_bytes = qvec::bytes(size_t(d), fmt_.basis_bits);
+  const size_t mu_bytes = qvec::bytes(size_t(d), fmt_.centroid_bits),
+               col_bytes = qvec::bytes(size_t(d), fmt_.basis_bits);
   for_each_page_head(cache, il, page_ids, [&](const float* keys, int l, int h, int32_t page) {
     const PageSummaryF32 s = build_page_summary(keys, B, d, r);  // Alg. 1: mu, V_r, sigma^2
     uint8_t* blob = store_.blob(l, h, page);
@@ -96,8 +97,8 @@ size_t SecondMomentSelector::estimate(const PagedKvCache& cache, const Selection
       continue;
     }
     const float* mu = dec_.data() + store_.index(req.il, req.kv_head, page) * dec_stride_;
-    const float* V = mu + d;                     // [r][d]
-    const float* var = V + size_t(r) * d;        // sigma_k^2 / B
+    const float* V = mu + d;               // [r][d]
+    const float* var = V + size_t(r) * d;  // sigma_k^2 / B
     bytes += store_.blob_bytes();
     for (int g = 0; g < G; ++g) {
       const float* q = req.q + size_t(g) * d;

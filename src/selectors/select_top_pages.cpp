@@ -1,11 +1,11 @@
 // Alg. 2 lines 6-9: shares, group rule, sink + recent + top-(k-2).
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <numeric>
 #include <stdexcept>
-
-#include <fmt/format.h>
 
 #include "locks/math.h"
 #include "locks/selector.h"
@@ -14,9 +14,12 @@ namespace locks {
 
 std::string group_rule_name(GroupRule r) {
   switch (r) {
-    case GroupRule::kShareAverage: return "share-average";
-    case GroupRule::kMax: return "max";
-    case GroupRule::kMassSum: return "mass-sum";
+    case GroupRule::kShareAverage:
+      return "share-average";
+    case GroupRule::kMax:
+      return "max";
+    case GroupRule::kMassSum:
+      return "mass-sum";
   }
   return "?";
 }
@@ -33,10 +36,10 @@ void select_top_pages(const float* log_mass, int n_group, int n_pages, int budge
   out.clear();
   if (n_pages <= 0) return;
   if (!log_mass || n_group < 1)
-    throw std::invalid_argument(fmt::format("select_top_pages: {} for {} pages",
-                                            !log_mass ? std::string("no log-mass estimates (null)")
-                                                      : fmt::format("GQA group of {} heads", n_group),
-                                            n_pages));
+    throw std::invalid_argument(fmt::format(
+        "select_top_pages: {} for {} pages",
+        !log_mass ? std::string("no log-mass estimates (null)") : fmt::format("GQA group of {} heads", n_group),
+        n_pages));
   for (size_t i = 0; i < size_t(n_group) * n_pages; ++i)  // -inf (no mass) is valid; NaN and +inf are not
     if (std::isnan(log_mass[i]) || log_mass[i] == std::numeric_limits<float>::infinity())
       throw std::invalid_argument(fmt::format("select_top_pages: log-mass {} at head {}, page {}", log_mass[i],

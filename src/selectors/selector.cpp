@@ -1,12 +1,13 @@
 // The Selector interface's checked entry points: every selector gets the same argument checks
 // before its own on_pages_filled / select work (non-virtual interface).
-#include <cmath>
-#include <stdexcept>
+#include "locks/selector.h"
 
 #include <fmt/format.h>
 
+#include <cmath>
+#include <stdexcept>
+
 #include "locks/math.h"
-#include "locks/selector.h"
 
 namespace locks {
 
@@ -29,8 +30,7 @@ void Selector::on_pages_filled(const PagedKvCache& cache, int il, std::span<cons
 }
 
 void Selector::select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out) {
-  if (req.q == nullptr || req.seq == nullptr)
-    throw std::invalid_argument("select: the request needs q and seq");
+  if (req.q == nullptr || req.seq == nullptr) throw std::invalid_argument("select: the request needs q and seq");
   if (req.n_group < 1) throw std::invalid_argument(fmt::format("select: n_group {} < 1", req.n_group));
   check_cache("select", cache);
   cache.check_layer_head("select", req.il, req.kv_head);

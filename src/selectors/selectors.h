@@ -12,7 +12,6 @@
 
 namespace locks {
 
-
 class FullSelector final : public Selector {
  public:
   std::string name() const override { return "full"; }

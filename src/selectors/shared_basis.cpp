@@ -2,14 +2,13 @@
 // and the per-page half of a shared-basis summary scored with Eq. 4.
 #include "locks/shared_basis.h"
 
-#include <Eigen/Dense>
+#include <fmt/format.h>
 
+#include <Eigen/Dense>
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "locks/math.h"
 #include "locks/parallel_for.h"
@@ -20,13 +19,15 @@ namespace locks {
 
 std::vector<float> pca_key_basis(const float* keys, size_t n_keys, int d, int rank) {
   if (d < 1) throw std::invalid_argument(fmt::format("key basis: head_dim {}", d));
-  if (rank < 1 || rank > d) throw std::invalid_argument(fmt::format("key basis: rank {} outside [1, head_dim {}]", rank, d));
+  if (rank < 1 || rank > d)
+    throw std::invalid_argument(fmt::format("key basis: rank {} outside [1, head_dim {}]", rank, d));
   if (n_keys == 0) throw std::invalid_argument("key basis: no keys to fit");
   Eigen::VectorXd mean = Eigen::VectorXd::Zero(d);
   for (size_t i = 0; i < n_keys; ++i)
     for (int c = 0; c < d; ++c) {
       const float x = keys[i * d + c];
-      if (!std::isfinite(x)) throw std::invalid_argument(fmt::format("key basis: non-finite key at row {}, dim {}", i, c));
+      if (!std::isfinite(x))
+        throw std::invalid_argument(fmt::format("key basis: non-finite key at row {}, dim {}", i, c));
       mean[c] += x;
     }
   mean /= double(n_keys);
@@ -156,7 +157,8 @@ void SharedBasisPages::load(int il, int h, int32_t page, std::vector<float>& mu,
   mu.resize(d_);
   coef.resize(size_t(B_) * rho_);
   qvec::decode(blob, d_, centroid_bits_, mu.data());
-  for (int i = 0; i < B_; ++i) qvec::decode(blob + mu_bytes + size_t(i) * row_bytes, rho_, coef_bits_, &coef[size_t(i) * rho_]);
+  for (int i = 0; i < B_; ++i)
+    qvec::decode(blob + mu_bytes + size_t(i) * row_bytes, rho_, coef_bits_, &coef[size_t(i) * rho_]);
 }
 
 bool SharedBasisPages::reconstruct(int il, int h, int32_t page, const float* basis, float* out) const {

@@ -22,9 +22,9 @@
 #include "locks/kv_cache.h"
 #include "locks/page_summary.h"
 
-#define SKIP_WITHOUT_CUDA()                                 \
-  do {                                                      \
-    std::string why_;                                       \
+#define SKIP_WITHOUT_CUDA()                                            \
+  do {                                                                 \
+    std::string why_;                                                  \
     if (!::locks::cuda::device_available(&why_)) GTEST_SKIP() << why_; \
   } while (0)
 

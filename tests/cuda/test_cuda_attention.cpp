@@ -203,8 +203,8 @@ TEST(CudaAttention, ListsBeyondTheLaunchAreBadInput) {
       nb[bad] = n_bad;
       uint32_t status = 0;
       const AttnOut g = run_attention(w, q, &sel, &nb, k, 4, false, 16, false, cluster, /*n_splits=*/2, &status);
-      const std::string what = std::string(cluster ? "cluster merge" : "last-CTA merge") + ", n_selected " +
-                               std::to_string(n_bad);
+      const std::string what =
+          std::string(cluster ? "cluster merge" : "last-CTA merge") + ", n_selected " + std::to_string(n_bad);
       EXPECT_EQ(status, n_bad < 0 ? 0u : uint32_t(lc::kStatusBadPageCount)) << what;
       for (size_t i = bad * per_o; i < (bad + 1) * per_o; ++i) ASSERT_TRUE(std::isnan(g.o[i])) << what;
       for (int r = 0; r < w.G; ++r) ASSERT_TRUE(std::isnan(g.lse[bad * w.G + r])) << what;

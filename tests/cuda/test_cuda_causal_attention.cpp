@@ -33,8 +33,8 @@
 #include "cuda/causal_attention.h"
 #include "locks/attention.h"
 #include "locks/cuda/kernels.h"
-#include "locks/quant.h"
 #include "locks/kv_cache.h"
+#include "locks/quant.h"
 
 namespace lc = locks::cuda;
 

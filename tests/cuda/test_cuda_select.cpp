@@ -95,7 +95,8 @@ SelectOut run_select(int B, int H, int G, const std::vector<int32_t>& indptr, co
     EXPECT_EQ(all.n_sel, o.n_sel) << how << ": n_selected";
     for (int bh = 0; bh < B * H; ++bh)
       for (int i = 0; i < std::max(0, all.n_sel[bh]); ++i)
-        EXPECT_EQ(all.sel[size_t(bh) * k + i], o.sel[size_t(bh) * k + i]) << how << ": (b, h) " << bh << " position " << i;
+        EXPECT_EQ(all.sel[size_t(bh) * k + i], o.sel[size_t(bh) * k + i])
+            << how << ": (b, h) " << bh << " position " << i;
     for (size_t i = 0; i < all.shares.size(); ++i)
       if (std::memcmp(&all.shares[i], &o.shares[i], sizeof(float)) != 0) {
         ADD_FAILURE() << how << ": share " << i << " " << all.shares[i] << " vs " << o.shares[i];

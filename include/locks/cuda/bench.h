@@ -49,15 +49,15 @@ struct E2eShape {
 };
 
 struct E2eOptions {
-  std::vector<E2eShape> shapes;           // empty: default_e2e_shapes()
+  std::vector<E2eShape> shapes;  // empty: default_e2e_shapes()
   std::vector<int> batches = {1, 2, 4, 8};
-  int budget_tokens = 2048;               // LOCKS budget b (multiple of 16)
-  int steps = 24;                         // timed decode steps per engine (median)
+  int budget_tokens = 2048;  // LOCKS budget b (multiple of 16)
+  int steps = 24;            // timed decode steps per engine (median)
   int warmup = 3;
-  int prefill_max_context = 131072;       // batch-1 rows up to this context also prefill for real (TTFT)
-  int prefill_chunk = 4096;               // tokens per prefill call
-  bool breakdown = true;                  // time the LOCKS step's parts apart
-  std::string csv;                        // optional CSV output path
+  int prefill_max_context = 131072;  // batch-1 rows up to this context also prefill for real (TTFT)
+  int prefill_chunk = 4096;          // tokens per prefill call
+  bool breakdown = true;             // time the LOCKS step's parts apart
+  std::string csv;                   // optional CSV output path
 };
 
 /// Llama-3.1-8B (32 layers, 32 / 8 heads, FFN 14336, vocab 128256) and the GLM-4-9B-1M shape

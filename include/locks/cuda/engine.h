@@ -28,7 +28,7 @@ struct EngineConfig {
   bool balance = true;              // DecodePlan's run-time balancing of ragged batches
   int n_pages_pool = 0;             // 0: sized from the GPU's free memory after the weights
   EngineWeights weights = EngineWeights::kAuto;
-  int device = -1;                  // -1: the current device
+  int device = -1;  // -1: the current device
 };
 
 /// The GPU engine for `model` (weights uploaded as bf16). Throws std::runtime_error naming what is

@@ -142,18 +142,18 @@ struct ScoreParams {
   const float* q = nullptr;            // [batch][n_head_kv * group][head_dim], 16-byte aligned
   PagedKvView kv;                      // page table; K read only for partial last pages
   const uint8_t* summaries = nullptr;  // records of this layer
-  int n_pages_pool = 0;  // records per KV head; page ids must be < n_pages_pool
-  int group = 1;                 // G, 1..16
-  float scale = 0.0f;            // softmax scale, usually 1/sqrt(head_dim)
-  int chunk_pages = 0;           // multiple of 32
-  int n_chunks = 0;              // >= ceil(max_b n_pages_b / chunk_pages)
-  float* log_mass = nullptr;     // out [batch][n_head_kv][group][log_mass_stride]
-  int log_mass_stride = 0;       // >= max_b n_pages_b, multiple of 8
-  float* lse_total = nullptr;    // out [batch][n_head_kv][group]
-  float* chunk_stats = nullptr;  // workspace [batch][n_head_kv][16][n_chunks][2]: (max, sum), log2 units
-  uint32_t* counters = nullptr;  // workspace [batch * n_head_kv], zero-initialised
-  int grid = 0;                  // persistent CTAs; 0: enough to fill the device
-  bool pdl = false;              // launch with programmatic dependent launch
+  int n_pages_pool = 0;                // records per KV head; page ids must be < n_pages_pool
+  int group = 1;                       // G, 1..16
+  float scale = 0.0f;                  // softmax scale, usually 1/sqrt(head_dim)
+  int chunk_pages = 0;                 // multiple of 32
+  int n_chunks = 0;                    // >= ceil(max_b n_pages_b / chunk_pages)
+  float* log_mass = nullptr;           // out [batch][n_head_kv][group][log_mass_stride]
+  int log_mass_stride = 0;             // >= max_b n_pages_b, multiple of 8
+  float* lse_total = nullptr;          // out [batch][n_head_kv][group]
+  float* chunk_stats = nullptr;        // workspace [batch][n_head_kv][16][n_chunks][2]: (max, sum), log2 units
+  uint32_t* counters = nullptr;        // workspace [batch * n_head_kv], zero-initialised
+  int grid = 0;                        // persistent CTAs; 0: enough to fill the device
+  bool pdl = false;                    // launch with programmatic dependent launch
   /// Leave the merge of the chunk statistics into lse_total to select_pages, which must then get them
   /// (SelectParams::chunk_stats): no CTA here waits for the others of its (b, h). lse_total is then
   /// -inf for a sequence without pages, NaN for the others (select_pages overwrites it; without
@@ -205,13 +205,13 @@ struct SelectParams {
   const int32_t* indptr = nullptr;  // [batch + 1] (n_pages_b)
   const float* log_mass = nullptr;  // [batch][n_head_kv][group][log_mass_stride]
   int log_mass_stride = 0;
-  float* lse_total = nullptr;  // [batch][n_head_kv][group]: in; out with chunk_stats
-  int budget_pages = 2;              // k >= 2
-  uint32_t* keys = nullptr;          // workspace [batch][n_head_kv][log_mass_stride]
-  uint32_t* hist = nullptr;          // workspace [batch][n_head_kv][kHistBins], zero-initialised
-  int32_t* selected = nullptr;       // out [batch][n_head_kv][budget_pages] page positions
-  int32_t* n_selected = nullptr;     // out [batch][n_head_kv] = min(k, n_pages_b)
-  float* shares = nullptr;           // optional out [batch][n_head_kv][log_mass_stride]
+  float* lse_total = nullptr;     // [batch][n_head_kv][group]: in; out with chunk_stats
+  int budget_pages = 2;           // k >= 2
+  uint32_t* keys = nullptr;       // workspace [batch][n_head_kv][log_mass_stride]
+  uint32_t* hist = nullptr;       // workspace [batch][n_head_kv][kHistBins], zero-initialised
+  int32_t* selected = nullptr;    // out [batch][n_head_kv][budget_pages] page positions
+  int32_t* n_selected = nullptr;  // out [batch][n_head_kv] = min(k, n_pages_b)
+  float* shares = nullptr;        // optional out [batch][n_head_kv][log_mass_stride]
   bool pdl = false;
   /// With pdl: read indptr before waiting for the previous kernel. Valid when that kernel does not
   /// write the page table (score_pages inside locks_decode_step).
@@ -351,19 +351,19 @@ struct DecodePlan {
   /// AttentionParams::cluster_merge of the sparse attention: on when the sparse splits (2 to 16, one
   /// CTA each) of every (sequence, KV head) fit as clusters in one wave on the plan's device.
   bool sparse_cluster_merge = false;
-  bool defer_lse_total = false;      // ScoreParams::defer_lse_total (select_pages merges lse_total)
-  bool score_balance = true;         // ScoreParams::balance_chunks (score_chunks is then its capacity); read-only
-  bool dense_balance = true;         // AttentionParams::balance_splits of the dense step
-  int score_equal_chunks = 0;        // chunks per (sequence, KV head) when all have max_pages pages
-  bool select_candidates = false;    // SelectParams::candidates (the share kernel fits in one wave); read-only
-  int select_cluster_pages = 0;      // SelectParams::cluster_pages (0: two kernels); read-only
+  bool defer_lse_total = false;    // ScoreParams::defer_lse_total (select_pages merges lse_total)
+  bool score_balance = true;       // ScoreParams::balance_chunks (score_chunks is then its capacity); read-only
+  bool dense_balance = true;       // AttentionParams::balance_splits of the dense step
+  int score_equal_chunks = 0;      // chunks per (sequence, KV head) when all have max_pages pages
+  bool select_candidates = false;  // SelectParams::candidates (the share kernel fits in one wave); read-only
+  int select_cluster_pages = 0;    // SelectParams::cluster_pages (0: two kernels); read-only
   bool pdl = true;
   size_t workspace_bytes = 0;
   // Byte offsets inside the workspace.
   size_t off_log_mass = 0, off_lse_total = 0, off_chunk_stats = 0, off_keys = 0, off_candidates = 0,
-         off_n_candidates = 0, off_hist = 0, off_selected = 0,
-         off_n_selected = 0, off_partial_o = 0, off_partial_lse = 0, off_counters = 0, off_counters_sparse = 0,
-         off_counters_dense = 0, off_status = 0, off_score_ready = 0, off_ready_seen = 0;
+         off_n_candidates = 0, off_hist = 0, off_selected = 0, off_n_selected = 0, off_partial_o = 0,
+         off_partial_lse = 0, off_counters = 0, off_counters_sparse = 0, off_counters_dense = 0, off_status = 0,
+         off_score_ready = 0, off_ready_seen = 0;
   int score_grid = 0;
   size_t counters_bytes = 0;
 };
