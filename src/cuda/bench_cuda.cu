@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "common.cuh"
 #include "locks/cuda/bench.h"
 #include "record_layout.h"
@@ -25,100 +26,14 @@ namespace {
 
 using namespace detail;
 
-void ck(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string("CUDA bench: ") + what + ": " + cudaGetErrorString(e));
-}
+using bench::ck;
+using bench::DevMem;
+using bench::median;
+using bench::Timer;
 
-struct DevMem {
-  void* p = nullptr;
-  explicit DevMem(size_t bytes) { ck(cudaMalloc(&p, std::max<size_t>(bytes, 16)), "cudaMalloc"); }
-  ~DevMem() { cudaFree(p); }
-  DevMem(const DevMem&) = delete;
-  DevMem& operator=(const DevMem&) = delete;
-  template <class T>
-  T* as() const {
-    return static_cast<T*>(p);
-  }
-};
-
-__device__ __forceinline__ uint32_t hash32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7feb352du;
-  x ^= x >> 15;
-  x *= 0x846ca68bu;
-  x ^= x >> 16;
-  return x;
-}
-// Approximately standard normal (sum of 4 uniforms, variance-corrected).
-__device__ __forceinline__ float hnormal(uint32_t seed) {
-  float s = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) s += float(hash32(seed * 4u + uint32_t(i)) >> 8) * (1.0f / 16777216.0f);
-  return (s - 2.0f) * 1.7320508f;
-}
-
-// Keys: per (page, head) a direction (scale 2) plus noise 0.5; values: noise.
-__global__ void fill_kv_kernel(uint16_t* k, uint16_t* v, size_t n_elems, int head_dim, int page_elems_per_head,
-                               bool bf16, uint32_t seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n_elems; i += size_t(gridDim.x) * blockDim.x) {
-    const size_t ph = i / page_elems_per_head;  // (page, head) block
-    const int x = int(i % head_dim);
-    const float base = 2.0f * hnormal(uint32_t(ph * 1315423911u) ^ uint32_t(x * 2654435761u) ^ seed);
-    const float kx = base + 0.5f * hnormal(uint32_t(i) * 3u + seed + 1u);
-    const float vx = hnormal(uint32_t(i) * 5u + seed + 7u);
-    if (bf16) {
-      k[i] = f32_to_bf16(kx);
-      v[i] = f32_to_bf16(vx);
-    } else {
-      k[i] = f32_to_f16(kx);
-      v[i] = f32_to_f16(vx);
-    }
-  }
-}
-
-__global__ void fill_q_kernel(float* q, size_t n, uint32_t seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    q[i] = hnormal(uint32_t(i) * 11u + seed);
-}
-
-// Plain read: every byte once with 16-byte loads; a data-dependent store keeps it alive.
-__global__ void read_kernel(const uint4* src, size_t n, uint32_t* sink) {
-  uint32_t acc = 0;
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    const uint4 v = __ldcs(src + i);
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (acc == 0x9e3779b9u) *sink = acc;
-}
 __global__ void copy_kernel(const uint4* src, uint4* dst, size_t n) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
     __stcs(dst + i, __ldcs(src + i));
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n == 0 ? 0.0 : n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-struct Timer {
-  cudaEvent_t a, b;
-  Timer() {
-    ck(cudaEventCreate(&a), "event");
-    ck(cudaEventCreate(&b), "event");
-  }
-  ~Timer() {
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
-  }
-};
-
-// One thread waiting `ns` nanoseconds of the device clock.
-__global__ void spin_kernel(uint64_t ns) {
-  const uint64_t t0 = global_timer_ns();
-  do {
-    __nanosleep(1000);
-  } while (global_timer_ns() - t0 < ns);
 }
 
 // Before every timed run: a 200 us wait on the device, so that the host has enqueued the timed work
@@ -133,8 +48,8 @@ struct Flusher {
     ck(cudaMemset(buf.p, 1, bytes), "flush init");
   }
   void run(cudaStream_t s) {
-    spin_kernel<<<1, 1, 0, s>>>(200000);
-    read_kernel<<<grid, 512, 0, s>>>(buf.as<uint4>(), n, sink.as<uint32_t>());
+    bench::spin(200000, s);
+    bench::read_all(buf.p, n * 16, sink.as<uint32_t>(), grid, s);
   }
 };
 
@@ -208,8 +123,7 @@ int run_bench(const BenchOptions& o) {
     const size_t bytes = size_t(4) << 30;
     DevMem a(bytes), sink(64);
     ck(cudaMemset(a.p, 3, bytes), "memset");
-    const double us = time_us(
-        fl, s, 3, 10, [&] { read_kernel<<<n_sm * 8, 512, 0, s>>>(a.as<uint4>(), bytes / 16, sink.as<uint32_t>()); });
+    const double us = time_us(fl, s, 3, 10, [&] { bench::read_all(a.p, bytes, sink.as<uint32_t>(), n_sm * 8, s); });
     read_gbs = double(bytes) / us * 1e-3;
     const size_t half = bytes / 2;
     const double us2 = time_us(fl, s, 3, 10, [&] {
@@ -268,8 +182,7 @@ int run_bench(const BenchOptions& o) {
           continue;
         }
         DevMem k(kv_elems * 2), v(kv_elems * 2);
-        fill_kv_kernel<<<n_sm * 16, 256, 0, s>>>(k.as<uint16_t>(), v.as<uint16_t>(), kv_elems, D, 16 * D, o.bf16,
-                                                 uint32_t(ctx + B));
+        bench::fill_kv(k.p, v.p, kv_elems, D, o.bf16, uint32_t(ctx + B), s);
         std::vector<int32_t> indptr(B + 1, 0), indices(pool);
         for (int b = 0; b < B; ++b) indptr[b + 1] = indptr[b] + pg[b];
         for (size_t i = 0; i < pool; ++i) indices[i] = int32_t(i);
@@ -370,7 +283,7 @@ int run_bench(const BenchOptions& o) {
         DevMem ws(plan.workspace_bytes), q(size_t(B) * H * G * D * 4), out(size_t(B) * H * G * D * 4),
             lse(size_t(B) * H * G * 4);
         ck(init_decode_workspace(plan, ws.p, s), "init");
-        fill_q_kernel<<<64, 256, 0, s>>>(q.as<float>(), size_t(B) * H * G * D, 99u);
+        bench::fill_normal(q.as<float>(), size_t(B) * H * G * D, 99u, s);
         DecodeStepParams sp;
         sp.q = q.as<float>();
         sp.kv = kv;

@@ -43,6 +43,11 @@ __global__ void fill_kv_kernel(uint16_t* k, uint16_t* v, size_t n_elems, int hea
   }
 }
 
+__global__ void fill_normal_kernel(float* q, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    q[i] = hnormal(uint32_t(i) * 11u + seed);
+}
+
 __global__ void spin_kernel(uint64_t ns) {
   uint64_t t0, t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
@@ -67,6 +72,10 @@ void fill_kv(void* k, void* v, size_t n_elems, int head_dim, bool bf16, uint32_t
   fill_kv_kernel<<<2048, 256, 0, stream>>>(static_cast<uint16_t*>(k), static_cast<uint16_t*>(v), n_elems, head_dim,
                                            16 * head_dim, bf16, seed);
   ck(cudaGetLastError(), "fill KV");
+}
+void fill_normal(float* q, size_t n, uint32_t seed, cudaStream_t stream) {
+  fill_normal_kernel<<<64, 256, 0, stream>>>(q, n, seed);
+  ck(cudaGetLastError(), "fill q");
 }
 void spin(uint64_t ns, cudaStream_t stream) { spin_kernel<<<1, 1, 0, stream>>>(ns); }
 void read_all(const void* src, size_t bytes, uint32_t* sink, int grid, cudaStream_t stream) {

@@ -55,6 +55,8 @@ inline double median(std::vector<double> v) {
 // Keys: per (page, head) a direction (scale 2) plus noise 0.5 (the spectra of real pages: a few
 // dominant directions); values: noise. n_elems of k and of v, f16 or bf16.
 void fill_kv(void* k, void* v, size_t n_elems, int head_dim, bool bf16, uint32_t seed, cudaStream_t stream);
+// q[i]: approximately standard normal values from a hash of (i, seed).
+void fill_normal(float* q, size_t n, uint32_t seed, cudaStream_t stream);
 // One thread waiting `ns` nanoseconds of the device clock: the host enqueues the timed work before
 // the device reaches it, so the time is the device's alone.
 void spin(uint64_t ns, cudaStream_t stream);

@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "causal_attention.h"
+#include "cuda_check.h"
 #include "model_ops.h"
 
 namespace locks::cuda {
@@ -19,11 +20,7 @@ namespace {
 
 size_t align256(size_t x) { return (x + 255) / 256 * 256; }
 
-void check_cuda(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return;
-  cudaGetLastError();
-  throw std::runtime_error(fmt::format("CUDA engine: {}: {}", what, cudaGetErrorString(e)));
-}
+void check_cuda(cudaError_t e, const char* what) { throw_on_error(e, "CUDA engine", what); }
 
 // Byte offsets of the step buffers inside one allocation.
 struct BufferLayout {

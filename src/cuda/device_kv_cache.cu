@@ -7,18 +7,14 @@
 #include <stdexcept>
 #include <string>
 
+#include "cuda_check.h"
 #include "device_kv_cache.h"
 
 namespace locks::cuda {
 
 namespace {
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    throw std::runtime_error(fmt::format("CUDA KV cache: {}: {}", what, cudaGetErrorString(e)));
-  }
-}
+void check(cudaError_t e, const char* what) { throw_on_error(e, "CUDA KV cache", what); }
 
 template <class T>
 T* device_alloc(size_t n, const char* what) {

@@ -10,6 +10,7 @@
 #include <string>
 #include <utility>
 
+#include "cuda_check.h"
 #include "locks/quant.h"
 #include "model_ops.h"
 
@@ -17,12 +18,7 @@ namespace locks::cuda {
 
 namespace {
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    throw std::runtime_error(fmt::format("CUDA weights: {}: {}", what, cudaGetErrorString(e)));
-  }
-}
+void check(cudaError_t e, const char* what) { throw_on_error(e, "CUDA weights", what); }
 
 size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
 size_t elem_bytes(WeightType t) { return t == WeightType::kF32 ? 4 : 2; }

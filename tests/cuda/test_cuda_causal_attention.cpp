@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "cuda/causal_attention.h"
+#include "cuda/cuda_fixture.h"
 #include "locks/attention.h"
 #include "locks/cuda/kernels.h"
 #include "locks/kv_cache.h"
@@ -40,59 +41,10 @@ namespace lc = locks::cuda;
 
 namespace {
 
-#define SKIP_WITHOUT_CUDA()                                 \
-  do {                                                      \
-    std::string why_;                                       \
-    if (!lc::device_available(&why_)) GTEST_SKIP() << why_; \
-  } while (0)
-
-void ck(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
-
-template <class T>
-struct Dev {
-  T* p = nullptr;
-  size_t n = 0;
-  Dev() = default;
-  explicit Dev(size_t count) : n(count) {
-    ck(cudaMalloc(reinterpret_cast<void**>(&p), std::max<size_t>(1, n) * sizeof(T)), "cudaMalloc");
-  }
-  explicit Dev(const std::vector<T>& v) : Dev(v.size()) {
-    if (!v.empty()) ck(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), "up");
-  }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-  Dev(Dev&& o) noexcept : p(o.p), n(o.n) { o.p = nullptr; }
-  Dev& operator=(Dev&& o) noexcept {
-    std::swap(p, o.p);
-    std::swap(n, o.n);
-    return *this;
-  }
-  ~Dev() {
-    if (p) cudaFree(p);
-  }
-  std::vector<T> down() const {
-    std::vector<T> v(n);
-    if (n) ck(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), "down");
-    return v;
-  }
-};
-
-float round_bf16(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  u &= 0xffff0000u;
-  float r;
-  std::memcpy(&r, &u, 4);
-  return r;
-}
-uint16_t bf16_bits(float x) {  // x already bf16-representable
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return uint16_t(u >> 16);
-}
+using locks::test::bf16_bits;
+using locks::test::ck;
+using locks::test::Dev;
+using locks::test::round_bf16;
 
 double unit_roundoff(lc::KvType t) { return t == lc::KvType::kBF16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11); }
 // See the top of the file.

@@ -25,47 +25,19 @@
 #include <string>
 #include <vector>
 
+#include "cuda/cuda_fixture.h"
 #include "cuda/model_ops.h"
 
 namespace lc = locks::cuda;
 
 namespace {
 
-#define SKIP_WITHOUT_CUDA()                                 \
-  do {                                                      \
-    std::string why_;                                       \
-    if (!lc::device_available(&why_)) GTEST_SKIP() << why_; \
-  } while (0)
-
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
-void ck(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
-void dev_sync() { ck(cudaDeviceSynchronize(), "kernel"); }
-
-template <class T>
-struct Dev {
-  T* p = nullptr;
-  size_t n = 0;
-  explicit Dev(size_t count) : n(count) {
-    ck(cudaMalloc(reinterpret_cast<void**>(&p), std::max<size_t>(1, n) * sizeof(T)), "cudaMalloc");
-  }
-  explicit Dev(const std::vector<T>& v) : Dev(v.size()) { up(v); }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-  ~Dev() {
-    if (p) cudaFree(p);
-  }
-  void up(const std::vector<T>& v) { ck(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), "up"); }
-  std::vector<T> down() const {
-    std::vector<T> v(n);
-    ck(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), "down");
-    return v;
-  }
-  void fill_bytes(int value) { ck(cudaMemset(p, value, std::max<size_t>(1, n) * sizeof(T)), "memset"); }
-};
+using locks::test::ck;
+using locks::test::Dev;
+using locks::test::dev_sync;
 
 uint32_t f32_bits(float x) {
   uint32_t u;
