@@ -251,12 +251,12 @@ int bench_cuda(const BenchArgs& a, bool custom_shape, bool budget_given, bool ru
   (void)budget_given;
   (void)runs_given;
   throw std::runtime_error(
-      "--device cuda: this locks was built without CUDA (configured with -DLOCKS_CUDA=OFF, or no CUDA compiler was "
-      "found at configure time; install the CUDA toolkit and reconfigure so CMake builds locks_cuda)");
+      "--device cuda: this build of locks has no CUDA backend (nvcc was not found when it was configured, or "
+      "-DLOCKS_CUDA=OFF)");
 #endif
 }
 
-// Whole models on the GPU (src/cuda/bench_e2e.cu): the default shapes, or those --shapes names, at
+// Whole models on the GPU (src/cuda/bench_e2e.cpp): the default shapes, or those --shapes names, at
 // their contexts or at --contexts.
 int bench_cuda_e2e(const BenchArgs& a, bool contexts_given, bool budget_given, bool runs_given) {
 #ifdef LOCKS_WITH_CUDA
@@ -313,10 +313,12 @@ Runner add_bench(CLI::App& app) {
                            ->transform(decimal_integer())
                            ->check(CLI::Range(32, 1 << 24))
                            ->capture_default_str();
-  CLI::Option* o_runs = app.add_option("--runs", a->runs, "timed runs per context (median reported; cuda: 30)")
-                            ->transform(decimal_integer())
-                            ->check(CLI::Range(1, 10000))
-                            ->capture_default_str();
+  CLI::Option* o_runs =
+      app.add_option("--runs", a->runs,
+                     "timed runs per context (median reported; cuda: 30; cuda --e2e: decode steps, 24)")
+          ->transform(decimal_integer())
+          ->check(CLI::Range(1, 10000))
+          ->capture_default_str();
   // ---- CUDA (`--device cuda`) ----
   app.add_option("--device", a->device,
                  "cpu (default) or cuda: the GPU kernels on Llama-3.1-8B (8 KV heads x 4, d 128; 32K/128K/256K "
@@ -342,7 +344,9 @@ Runner add_bench(CLI::App& app) {
       app.add_flag("--e2e", a->e2e,
                    "cuda: whole models (random bf16 weights made on the GPU): per-token decode latency dense vs "
                    "LOCKS, the dense roofline, where a LOCKS step's time goes, TTFT of a real prefill"),
-      app.add_option("--shapes", a->shapes, "cuda --e2e: model shapes (llama3.1-8b, glm4-9b-1m-kv4, glm4-9b-1m-kv2)")
+      app.add_option("--shapes", a->shapes,
+                     "cuda --e2e: model shapes (default: all of llama3.1-8b, glm4-9b-1m-kv4, glm4-9b-1m-kv2); "
+                     "--contexts then replaces each shape's contexts")
           ->delimiter(',')};
   // ---- end CUDA ----
   const std::vector<CLI::Option*> cpu_only = {
@@ -352,7 +356,7 @@ Runner add_bench(CLI::App& app) {
       app.add_option("--threads", a->threads, "cpu: CPU threads (default: all cores)")
           ->transform(decimal_integer())
           ->check(CLI::Range(1, 1024))};
-  return [a, o_ctx, o_kv, o_grp, o_hd, o_bud, o_runs, cuda_only, cpu_only] {
+  return [a, o_ctx, o_kv, o_grp, o_hd, o_bud, o_runs, cuda_only, cpu_only, &app_ref = app] {
     if (a->budget % 16 != 0)
       throw CLI::ValidationError("--budget", fmt::format("{} is not a multiple of the page size 16", a->budget));
     if (const std::string r = first_repeat(a->contexts); !r.empty())
@@ -376,6 +380,10 @@ Runner add_bench(CLI::App& app) {
       if (a->e2e) {
         for (const CLI::Option* o : {o_kv, o_grp, o_hd})
           if (o->count() > 0) throw CLI::ValidationError(o->get_name(), "does not apply with --e2e (--shapes)");
+        for (const char* flag : {"--f16", "--no-pdl", "--ragged", "--no-balance"})
+          if (app_ref.count(flag) > 0) throw CLI::ValidationError(flag, "does not apply with --e2e");
+        if (const std::string r = first_repeat(a->shapes); !r.empty())
+          throw CLI::ValidationError("--shapes", r + " given twice");
         return bench_cuda_e2e(*a, o_ctx->count() > 0, o_bud->count() > 0, o_runs->count() > 0);
       }
       if (!a->shapes.empty()) throw CLI::ValidationError("--shapes", "applies with --e2e");

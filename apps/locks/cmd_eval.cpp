@@ -49,6 +49,17 @@ Runner add_eval(CLI::App& app) {
       ->delimiter(',')
       ->transform(trimmed())
       ->capture_default_str();
+  // The GPU engine has no forks of a sequence and no oracle yet: evaluation runs on the CPU.
+  app.add_option_function<std::string>(
+         "--device",
+         [](const std::string& d) {
+           if (d != "cpu")
+             throw CLI::ValidationError("--device",
+                                        "locks eval runs on the CPU (cpu); the GPU engine does not "
+                                        "fork sequences yet");
+         },
+         "cpu (evaluation runs on the CPU)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_flag("!--no-fidelity", c->fidelity, "skip the per-step fidelity chain (faster)");
   app.add_flag("!--separate-contexts", c->share_contexts,
                "give multikey its own contexts (default: it asks the first question of each multiquery context)");

@@ -277,6 +277,18 @@ Runner add_run(CLI::App& app) {
     if (cuda && a->kv_dtype == "f32")
       throw CLI::ValidationError("--kv-dtype", "f32 is a CPU KV type; --device cuda stores bf16 or f16");
     if (!cuda && weights_opt->count() > 0) throw CLI::ValidationError("--gpu-weights", "applies with --device cuda");
+    // What the GPU engine runs, refused before the model loads (Session checks the same).
+    if (cuda && a->selector != "full" && a->selector != "locks")
+      throw CLI::ValidationError(
+          "--selector",
+          fmt::format("'{}' runs on the CPU only: --device cuda decodes with full or locks", a->selector));
+    if (cuda && a->selector == "locks")
+      for (auto [opt, shipped] : {std::pair{rank_opt, a->rank == 8}, std::pair{basis_opt, a->basis_bits == 4},
+                                  std::pair{rule_opt, a->group_rule == "share-average"}})
+        if (!shipped)
+          throw CLI::ValidationError(opt->get_name(),
+                                     "--device cuda runs LOCKS with its shipped summary (r=8, int4 "
+                                     "basis, int8 coefficients and centroid, share-average)");
     return run(*a);
   };
 }

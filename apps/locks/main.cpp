@@ -45,8 +45,10 @@ std::string usage_message(const CLI::ParseError& e) {
 }
 
 int locks_main(int argc, char** argv) {
-  CLI::App app{"locks: LOCKS sparse decode attention (page-local compact key summaries) on a CPU Llama engine",
-               "locks"};
+  CLI::App app{
+      "locks: LOCKS sparse decode attention (page-local compact key summaries) in a Llama engine on the CPU "
+      "or a CUDA GPU",
+      "locks"};
   app.formatter(std::make_shared<Formatter>());  // (subcommands inherit it)
   app.require_subcommand(0, 1);
   app.set_version_flag("--version", std::string("locks ") + LOCKS_VERSION);
