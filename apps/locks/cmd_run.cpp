@@ -58,6 +58,15 @@ constexpr const char* kDefaultPrompt = "examples/needle-8k.txt";
 // The default prompt ends with a needle question; its last line goes through decode.
 constexpr int kDefaultDecodeTail = 24;
 
+// The LOCKS options -r, --basis-bits and --group-rule set.
+SelectorOptions selector_options(const RunArgs& a) {
+  SelectorOptions o;
+  o.summary.rank = a.rank;
+  o.summary.basis_bits = a.basis_bits;
+  o.group_rule = parse_group_rule(a.group_rule);
+  return o;
+}
+
 int run(const RunArgs& a) {
   if (a.threads > 0) omp_set_num_threads(a.threads);
   std::string prompt;
@@ -107,9 +116,7 @@ int run(const RunArgs& a) {
   SessionConfig sc;
   sc.selector = a.selector;
   sc.budget_tokens = a.budget;
-  sc.selector_opts.summary.rank = a.rank;
-  sc.selector_opts.summary.basis_bits = a.basis_bits;
-  sc.selector_opts.group_rule = parse_group_rule(a.group_rule);
+  sc.selector_opts = selector_options(a);
   sc.device = parse_device(a.device);
   if (sc.device == Device::kCuda) {
     sc.cuda.kv_bf16 = a.kv_dtype != "f16";
@@ -277,18 +284,10 @@ Runner add_run(CLI::App& app) {
     if (cuda && a->kv_dtype == "f32")
       throw CLI::ValidationError("--kv-dtype", "f32 is a CPU KV type; --device cuda stores bf16 or f16");
     if (!cuda && weights_opt->count() > 0) throw CLI::ValidationError("--gpu-weights", "applies with --device cuda");
-    // What the GPU engine runs, refused before the model loads (Session checks the same).
-    if (cuda && a->selector != "full" && a->selector != "locks")
-      throw CLI::ValidationError(
-          "--selector",
-          fmt::format("'{}' runs on the CPU only: --device cuda decodes with full or locks", a->selector));
-    if (cuda && a->selector == "locks")
-      for (auto [opt, shipped] : {std::pair{rank_opt, a->rank == 8}, std::pair{basis_opt, a->basis_bits == 4},
-                                  std::pair{rule_opt, a->group_rule == "share-average"}})
-        if (!shipped)
-          throw CLI::ValidationError(opt->get_name(),
-                                     "--device cuda runs LOCKS with its shipped summary (r=8, int4 "
-                                     "basis, int8 coefficients and centroid, share-average)");
+    // What the GPU engine runs, refused before the model loads (Session's own check).
+    if (const std::string why = device_refusal(parse_device(a->device), a->selector, selector_options(*a));
+        !why.empty())
+      throw CLI::ValidationError(a->selector == "locks" ? "--device" : "--selector", why);
     return run(*a);
   };
 }

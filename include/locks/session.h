@@ -25,6 +25,9 @@ constexpr int kMaxContextTokens = 1 << 26;
 enum class Device { kCpu, kCuda };
 std::string device_name(Device d);          // "cpu" / "cuda"
 Device parse_device(const std::string& s);  // throws std::invalid_argument on anything else
+/// Why `device` does not run `selector` with `opts`, "" where it does (CUDA decodes with full, or
+/// locks in its shipped summary format); Session throws std::invalid_argument with it.
+std::string device_refusal(Device device, const std::string& selector, const SelectorOptions& opts);
 
 /// The GPU engine's own settings (SessionConfig::device == Device::kCuda).
 struct CudaSessionOptions {

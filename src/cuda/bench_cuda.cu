@@ -102,11 +102,7 @@ std::vector<BenchShape> default_bench_shapes() {
 int run_bench(const BenchOptions& o) {
   std::string why;
   if (!device_available(&why)) throw std::runtime_error(why);
-  // The CSV before any measurement: an unwritable path must not cost a whole benchmark and then be
-  // dropped silently.
-  std::FILE* csv = nullptr;
-  if (!o.csv.empty() && !(csv = std::fopen(o.csv.c_str(), "w")))
-    throw std::runtime_error("--csv: cannot write '" + o.csv + "': " + std::strerror(errno));
+  std::FILE* csv = bench::open_csv(o.csv);
   int dev = 0;
   ck(cudaGetDevice(&dev), "device");
   cudaDeviceProp prop{};

@@ -64,9 +64,7 @@ int run_e2e_bench(const E2eOptions& o) {
   std::string why;
   if (!device_available(&why)) throw std::runtime_error(why);
   if (!cublas_available(&why)) throw std::runtime_error(why);
-  std::FILE* csv = nullptr;
-  if (!o.csv.empty() && !(csv = std::fopen(o.csv.c_str(), "w")))
-    throw std::runtime_error("--csv: cannot write '" + o.csv + "': " + std::strerror(errno));
+  std::FILE* csv = bench::open_csv(o.csv);
   int dev = 0;
   ck(cudaGetDevice(&dev), "device");
   cudaDeviceProp prop{};

@@ -3,6 +3,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cerrno>
+#include <cstring>
+
 #include "bench_util.h"
 
 namespace locks::cuda::bench {
@@ -67,6 +70,13 @@ __global__ void read_kernel(const uint4* src, size_t n, uint32_t* sink) {
 }
 
 }  // namespace
+
+std::FILE* open_csv(const std::string& path) {
+  std::FILE* f = nullptr;
+  if (!path.empty() && !(f = std::fopen(path.c_str(), "w")))
+    throw std::runtime_error("--csv: cannot write '" + path + "': " + std::strerror(errno));
+  return f;
+}
 
 void fill_kv(void* k, void* v, size_t n_elems, int head_dim, bool bf16, uint32_t seed, cudaStream_t stream) {
   fill_kv_kernel<<<2048, 256, 0, stream>>>(static_cast<uint16_t*>(k), static_cast<uint16_t*>(v), n_elems, head_dim,

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -45,6 +46,10 @@ struct Timer {
     return 1000.0 * ms;
   }
 };
+
+/// The CSV a benchmark writes, opened before any measurement (an unwritable path must not cost a
+/// whole run and then be dropped); nullptr for an empty path. Throws std::runtime_error naming it.
+std::FILE* open_csv(const std::string& path);
 
 inline double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());

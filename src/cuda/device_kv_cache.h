@@ -53,11 +53,9 @@ class DeviceKvCache {
   void* v_pool() const { return v_; }
 
   // Step arrays on the device, written by advance().
-  const int32_t* row_seq() const { return row_seq_; }             // [max_rows]
-  const int32_t* row_pos() const { return row_pos_; }             // [max_rows]
-  const int32_t* filled() const { return filled_; }               // [max filled per step] page ids, -1: none
-  const int32_t* lengths() const { return lengths_; }             // [max_seqs] tokens stored
-  const int32_t* page_list_device() const { return page_list_; }  // [max_seqs][max_pages_per_seq]
+  const int32_t* row_seq() const { return row_seq_; }  // [max_rows]
+  const int32_t* row_pos() const { return row_pos_; }  // [max_rows]
+  const int32_t* filled() const { return filled_; }    // [max filled per step] page ids, -1: none
 
   /// Host view of the lengths (what advance() has enqueued so far).
   int32_t length(int seq) const { return lengths_h_[seq]; }
@@ -106,8 +104,7 @@ class DeviceKvCache {
   int32_t* row_pos_ = nullptr;
   int32_t* filled_ = nullptr;
   int32_t* pinned_ = nullptr;  // staging of new page ids
-  size_t pinned_cap_ = 0, pinned_used_ = 0;
-  cudaEvent_t pinned_free_ = nullptr;
+  size_t pinned_cap_ = 0;
   std::vector<int32_t> lengths_h_;
   std::vector<std::vector<int32_t>> pages_h_;
   std::vector<int32_t> free_pages_;

@@ -23,14 +23,8 @@ constexpr int kPageSize = 16;
 #ifdef LOCKS_WITH_CUDA
 std::unique_ptr<ForwardOps> make_cuda_ops(const LlamaModel& model, const SessionConfig& cfg, int n_ctx,
                                           int budget_pages, int prefill_chunk) {
-  if (cfg.selector != "full" && cfg.selector != "locks")
-    throw std::invalid_argument(
-        fmt::format("selector '{}' runs on the CPU only: --device cuda decodes with full or locks", cfg.selector));
-  if (cfg.selector == "locks" && !same_selector("locks", cfg.selector_opts, "locks", SelectorOptions{}))
-    throw std::invalid_argument(
-        fmt::format("--device cuda runs LOCKS with its shipped summary (r=8, int4 basis, "
-                    "int8 coefficients and centroid, share-average), not '{}'",
-                    describe_selector("locks", cfg.selector_opts)));
+  if (const std::string why = device_refusal(Device::kCuda, cfg.selector, cfg.selector_opts); !why.empty())
+    throw std::invalid_argument(why);
   cuda::EngineConfig ec;
   ec.n_ctx = n_ctx;
   ec.max_seqs = 1;
@@ -47,6 +41,18 @@ std::unique_ptr<ForwardOps> make_cuda_ops(const LlamaModel& model, const Session
 #endif
 
 }  // namespace
+
+std::string device_refusal(Device device, const std::string& selector, const SelectorOptions& opts) {
+  if (device != Device::kCuda) return "";
+  if (selector != "full" && selector != "locks")
+    return fmt::format("selector '{}' runs on the CPU only: --device cuda decodes with full or locks", selector);
+  if (selector == "locks" && !same_selector("locks", opts, "locks", SelectorOptions{}))
+    return fmt::format(
+        "--device cuda runs LOCKS with its shipped summary (r=8, int4 basis, int8 coefficients and centroid, "
+        "share-average), not '{}'",
+        describe_selector("locks", opts));
+  return "";
+}
 
 std::string device_name(Device d) { return d == Device::kCuda ? "cuda" : "cpu"; }
 Device parse_device(const std::string& s) {
