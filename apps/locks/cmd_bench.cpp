@@ -50,6 +50,7 @@ struct BenchArgs {
   bool ragged = false;
   bool no_balance = false;
   bool e2e = false;
+  bool cublas_decode = false;
   std::vector<std::string> shapes;
   // ---- end CUDA ----
 };
@@ -276,6 +277,7 @@ int bench_cuda_e2e(const BenchArgs& a, bool contexts_given, bool budget_given, b
   o.budget_tokens = budget_given ? a.budget : 2048;
   if (runs_given) o.steps = a.runs;
   o.csv = a.csv;
+  o.cublas_decode = a.cublas_decode;
   return cuda::run_e2e_bench(o);
 #else
   (void)a;
@@ -344,6 +346,8 @@ Runner add_bench(CLI::App& app) {
       app.add_flag("--e2e", a->e2e,
                    "cuda: whole models (random bf16 weights made on the GPU): per-token decode latency dense vs "
                    "LOCKS, the dense roofline, where a LOCKS step's time goes, TTFT of a real prefill"),
+      app.add_flag("--cublas-decode", a->cublas_decode,
+                   "cuda --e2e: decode's weight products through cuBLAS instead of our GEMV (to compare them)"),
       app.add_option("--shapes", a->shapes,
                      "cuda --e2e: model shapes (default: all of llama3.1-8b, glm4-9b-1m-kv4, glm4-9b-1m-kv2); "
                      "--contexts then replaces each shape's contexts")
@@ -387,6 +391,7 @@ Runner add_bench(CLI::App& app) {
         return bench_cuda_e2e(*a, o_ctx->count() > 0, o_bud->count() > 0, o_runs->count() > 0);
       }
       if (!a->shapes.empty()) throw CLI::ValidationError("--shapes", "applies with --e2e");
+      if (a->cublas_decode) throw CLI::ValidationError("--cublas-decode", "applies with --e2e");
       // The kernels' shapes, checked before the device is touched (src/cuda: make_decode_plan).
       if (o_hd->count() > 0 && a->head_dim != 64 && a->head_dim != 128)
         throw CLI::ValidationError("--head-dim",

@@ -9,6 +9,7 @@
 #include "commands.h"
 #include "locks/eval_runner.h"
 #include "locks/selector.h"
+#include "locks/session.h"
 #include "paths.h"
 
 namespace locks::cli {
@@ -49,17 +50,12 @@ Runner add_eval(CLI::App& app) {
       ->delimiter(',')
       ->transform(trimmed())
       ->capture_default_str();
-  // The GPU engine has no forks of a sequence and no oracle yet: evaluation runs on the CPU.
-  app.add_option_function<std::string>(
-         "--device",
-         [](const std::string& d) {
-           if (d != "cpu")
-             throw CLI::ValidationError("--device",
-                                        "locks eval runs on the CPU (cpu); the GPU engine does not "
-                                        "fork sequences yet");
-         },
-         "cpu (evaluation runs on the CPU)")
-      ->check(CLI::IsMember({"cpu", "cuda"}));
+  auto device = std::make_shared<std::string>("cpu");
+  app.add_option("--device", *device,
+                 "cpu, or cuda: the model on the GPU (selectors full, locks, oracle; no fidelity chain or locality "
+                 "finding)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
   app.add_flag("!--no-fidelity", c->fidelity, "skip the per-step fidelity chain (faster)");
   app.add_flag("!--separate-contexts", c->share_contexts,
                "give multikey its own contexts (default: it asks the first question of each multiquery context)");
@@ -89,9 +85,10 @@ Runner add_eval(CLI::App& app) {
   app.add_option("--threads", *threads, "CPU threads (default: all cores)")
       ->transform(decimal_integer())
       ->check(CLI::Range(1, 1024));
-  return [c, threads] {
+  return [c, threads, device] {
     if (*threads > 0) omp_set_num_threads(*threads);
     EvalConfig cfg = *c;
+    cfg.device = parse_device(*device);
     if (cfg.model_path.empty()) cfg.model_path = default_model_path();
     cfg.corpus_path = resolve_default_path(cfg.corpus_path);
     // Usage errors (bad selector specs, families, budgets) exit 2 like other bad options.
@@ -120,6 +117,8 @@ Runner add_eval(CLI::App& app) {
             throw std::invalid_argument(
                 fmt::format("selectors '{}' and '{}' are the same configuration", other.label, s));
         specs.push_back(spec);
+        if (const std::string why = device_refusal(cfg.device, spec.name, spec.opts); !why.empty())
+          throw std::invalid_argument(fmt::format("selector '{}': {}", s, why));
         try {
           spec.opts.summary.validate(16, 64);
         } catch (const std::invalid_argument& e) {

@@ -14,6 +14,7 @@
 #include "locks/needle_task.h"
 #include "locks/page_summary.h"
 #include "locks/selector.h"
+#include "locks/session.h"
 
 namespace locks {
 
@@ -44,6 +45,9 @@ struct EvalConfig {
   int continuation_tokens = 64;  // teacher-forced tokens of the continuation task
   bool share_contexts = true;    // multikey = the first question of each multiquery context
   int fork_threads = 0;          // forks of a context run at once (0: one per OpenMP thread)
+  /// Where the model runs. CUDA: selectors full, locks and oracle (device_refusal); no fidelity chain
+  /// and no locality finding (they read the CPU's cache); forks one at a time.
+  Device device = Device::kCpu;
   std::string out_dir = "eval-out";
 };
 

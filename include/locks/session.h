@@ -26,7 +26,11 @@ enum class Device { kCpu, kCuda };
 std::string device_name(Device d);          // "cpu" / "cuda"
 Device parse_device(const std::string& s);  // throws std::invalid_argument on anything else
 /// Why `device` does not run `selector` with `opts`, "" where it does (CUDA decodes with full, or
-/// locks in its shipped summary format); Session throws std::invalid_argument with it.
+/// locks in its shipped summary format, or oracle with the share-average rule); Session throws
+/// std::invalid_argument with it.
+/// Why `device` cannot run here ("" where it can): no CUDA backend in this build, no usable GPU or
+/// driver. A check for before a long setup; Session also throws it (std::runtime_error).
+std::string device_unavailable(Device device);
 std::string device_refusal(Device device, const std::string& selector, const SelectorOptions& opts);
 
 /// The GPU engine's own settings (SessionConfig::device == Device::kCuda).
@@ -77,9 +81,11 @@ class Session {
   Session(const Session& other);
   ~Session();
   /// A copy of this session's sequence (cache and last logits) that decodes with another selector
-  /// and budget (`cfg.selector`, `cfg.budget_tokens`, `cfg.selector_opts`; n_ctx and dtype are
-  /// kept). The new selector's per-page metadata is built for every full page (batched), exactly as
-  /// if it had run from the start: prefill is dense, so the cache does not depend on the selector.
+  /// and budget (`cfg.selector`, `cfg.budget_tokens`, `cfg.selector_opts`; n_ctx, dtype and device
+  /// are kept). The new selector's per-page metadata is built for every full page (batched), exactly
+  /// as if it had run from the start: prefill is dense, so the cache does not depend on the selector.
+  /// On CUDA the copy is a second GPU engine sharing the weights (its KV pages copied on the device;
+  /// std::runtime_error when they do not fit), with the selectors device_refusal allows.
   Session fork(const SessionConfig& cfg) const;
   /// The selector `cfg` names, with its per-page metadata built for every full page of this
   /// sequence (what fork(cfg) builds), for fork(cfg, prepared): forks that differ only in the
@@ -120,6 +126,8 @@ class Session {
   void forward(std::span<const int32_t> tokens, bool decode_step);
   static int check_budget(int budget_tokens, int page_size);
   Session fork_with(const SessionConfig& cfg, std::unique_ptr<Selector> selector) const;
+  Session fork_on_gpu(const SessionConfig& cfg) const;
+  Session(const Session& base, const SessionConfig& cfg, std::unique_ptr<ForwardOps> ops);  // a GPU fork
   CpuForward& cpu(const char* what) const;
 
   const LlamaModel& model_;

@@ -139,6 +139,7 @@ int run_e2e_bench(const E2eOptions& o) {
         cfg.locks = true;
         cfg.budget_pages = o.budget_tokens / 16;
         cfg.n_pages_pool = int(pages);
+        cfg.decode_gemv = !o.cublas_decode;
         CudaForward fwd(weights, cfg);
         cudaStream_t s = fwd.stream();
         DeviceKvCache& cache = fwd.cache();

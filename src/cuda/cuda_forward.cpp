@@ -12,6 +12,7 @@
 
 #include "causal_attention.h"
 #include "cuda_check.h"
+#include "gemv.h"
 #include "model_ops.h"
 
 namespace locks::cuda {
@@ -81,12 +82,13 @@ CudaForward::CudaForward(std::shared_ptr<const DeviceWeights> weights, const Eng
   if (hp_.head_dim % 2 || hp_.head_dim > 256)
     throw std::invalid_argument(fmt::format("CUDA engine: head_dim {} (even, at most 256)", hp_.head_dim));
   locks_capable_ = (hp_.head_dim == 64 || hp_.head_dim == 128) && G <= kMaxGroup;
-  if (cfg.locks && !locks_capable_)
+  if (cfg.locks && cfg.oracle) throw std::invalid_argument("CUDA engine: decode with LOCKS or the oracle, not both");
+  if ((cfg.locks || cfg.oracle) && !locks_capable_)
     throw std::invalid_argument(
-        fmt::format("CUDA engine: the LOCKS decode step supports head_dim 64 and 128 with GQA groups up to 16 (the "
+        fmt::format("CUDA engine: the {} decode step supports head_dim 64 and 128 with GQA groups up to 16 (the "
                     "model has head_dim {}, group {}); use the dense step (selector full) or --device cpu",
-                    hp_.head_dim, G));
-  sparse_ = cfg.locks;
+                    cfg.locks ? "LOCKS" : "oracle", hp_.head_dim, G));
+  sparse_ = cfg.locks || cfg.oracle;
   check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream");
   gemm_ = std::make_unique<Gemm>(stream_);
 
@@ -226,9 +228,9 @@ void CudaForward::account(DecodeTotals& t) const {
     const double pages = std::ceil(n / kPageSize), last = n - (pages - 1) * kPageSize;
     const double dense = n * head_dim * el * 2;
     double read = dense;
-    if (sparse_ && pages > cfg_.budget_pages)
-      read = (pages - 1) * rec + last * head_dim * el +
-             (double(cfg_.budget_pages - 1) * kPageSize + last) * head_dim * el * 2;
+    const double attended = (double(cfg_.budget_pages - 1) * kPageSize + last) * head_dim * el * 2;
+    if (sparse_ && pages > cfg_.budget_pages)  // the oracle reads every key to score the pages
+      read = (cfg_.oracle ? n * head_dim * el : (pages - 1) * rec + last * head_dim * el) + attended;
     t.dense_bytes += per_head * dense;
     t.bytes_read += per_head * read;
   }
@@ -256,9 +258,31 @@ void CudaForward::end() {
   check(cudaGraphLaunch(exec, stream_), "decode graph");
 }
 
-void CudaForward::gemm(const void* x, const void* w, float* y, int rows, int n_out, int n_in, bool accumulate) {
+void CudaForward::gemm(const void* x, const void* w, float* y, int rows, int n_out, int n_in, bool accumulate,
+                       float* y2, int split) {
   if (!on(kPartGemm)) return;
-  if (!gemm_->run(x, w, f32_, y, rows, n_out, n_in, accumulate)) throw std::runtime_error(gemm_->error());
+  if (!f32_ && cfg_.decode_gemv && gemv_applies(rows, n_out, n_in)) {  // decode: our GEMV streams the weights faster
+    GemvParams g;
+    g.x = static_cast<const uint16_t*>(x);
+    g.w = static_cast<const uint16_t*>(w);
+    g.rows = rows;
+    g.n_out = n_out;
+    g.n_in = n_in;
+    g.split = y2 ? split : n_out;
+    g.y = y;
+    g.ldy = g.split;
+    g.y2 = y2;
+    g.ldy2 = n_out - g.split;
+    g.accumulate = accumulate;
+    check(gemv_bf16(g, stream_), "GEMV");
+    return;
+  }
+  const size_t el = f32_ ? 4 : 2;
+  const int n1 = y2 ? split : n_out;
+  if (!gemm_->run(x, w, f32_, y, rows, n1, n_in, accumulate)) throw std::runtime_error(gemm_->error());
+  if (y2 && !gemm_->run(x, static_cast<const char*>(w) + size_t(n1) * n_in * el, f32_, y2, rows, n_out - n1, n_in,
+                        accumulate))
+    throw std::runtime_error(gemm_->error());
 }
 
 void CudaForward::set_parts(unsigned parts) {
@@ -303,10 +327,7 @@ void CudaForward::rmsnorm(int il, NormWeight which) {
 void CudaForward::qkv(int il) {
   // Q and K|V as two products into their own buffers: the attention kernels read q rows unstrided.
   const int E = hp_.n_embd, nq = hp_.n_head * hp_.head_dim, nkv = 2 * hp_.n_head_kv * hp_.head_dim;
-  const void* w = w_->layers[il].w_qkv;
-  const size_t el = f32_ ? 4 : 2;
-  gemm(xn_, w, q_, rows_, nq, E, false);
-  gemm(xn_, static_cast<const char*>(w) + size_t(nq) * E * el, kv_, rows_, nkv, E, false);
+  gemm(xn_, w_->layers[il].w_qkv, q_, rows_, nq + nkv, E, false, kv_, nq);
   debug("Q", q_, size_t(rows_) * nq, true);
   debug("K|V", kv_, size_t(rows_) * nkv, true);
 }
@@ -377,8 +398,10 @@ void CudaForward::attention(int il) {
     p.scale = scale;
     p.o = att_;
     p.workspace = workspace_;
-    if (parts_ == kPartAll) {
-      check(sparse_ ? locks_decode_step(*plan_, p, stream_) : dense_decode_step(*plan_, p, stream_),
+    if (parts_ == kPartAll || cfg_.oracle) {
+      check(!sparse_      ? dense_decode_step(*plan_, p, stream_)
+            : cfg_.oracle ? oracle_decode_step(*plan_, p, stream_)
+                          : locks_decode_step(*plan_, p, stream_),
             "decode attention");
     } else if (sparse_) {  // the step's launches one by one, as locks_decode_step makes them
       if (on(kPartScoreSelect)) {
@@ -468,6 +491,55 @@ uint32_t CudaForward::take_status() {
   if (plan_) check(read_decode_status(*plan_, workspace_, &plan_st, true, stream_), "status");
   check(cudaStreamSynchronize(stream_), "step");
   return st | plan_st;
+}
+
+std::unique_ptr<CudaForward> CudaForward::fork(EngineConfig cfg) const {
+  if (capturing_) throw std::logic_error("CUDA engine: fork during a graph capture");
+  cfg.n_ctx = cfg_.n_ctx;
+  cfg.max_seqs = cfg_.max_seqs;
+  cfg.kv_dtype = cfg_.kv_dtype;
+  cfg.device = cfg_.device;
+  check(cudaStreamSynchronize(stream_), "fork");
+  auto f = std::make_unique<CudaForward>(w_, cfg);
+  const bool copied = f->cache_->copy_from(*cache_, f->stream_);
+  if (cfg.locks && !copied) f->summarize_full_pages();
+  check(cudaStreamSynchronize(f->stream_), "fork");
+  return f;
+}
+
+void CudaForward::summarize_full_pages() {
+  std::vector<int32_t> ids;
+  for (int b = 0; b < cfg_.max_seqs; ++b) {
+    const auto& pages = cache_->page_list(b);
+    ids.insert(ids.end(), pages.begin(), pages.begin() + cache_->length(b) / kPageSize);
+  }
+  if (ids.empty()) return;
+  int32_t* d_ids = nullptr;
+  check(cudaMalloc(reinterpret_cast<void**>(&d_ids), ids.size() * 4), "summary build");
+  SummaryBuildParams s;
+  s.k = cache_->view(0).k;
+  s.dtype = cfg_.kv_dtype;
+  s.n_head_kv = hp_.n_head_kv;
+  s.head_dim = hp_.head_dim;
+  s.pages = d_ids;
+  s.n_pages = int(ids.size());
+  s.n_pages_pool = cache_->n_pages_pool();
+  s.records = cache_->records(0);
+  s.status = status_;
+  s.n_layers = hp_.n_layer;
+  s.k_layer_stride = cache_->k_layer_stride();
+  s.records_layer_stride = cache_->records_layer_stride();
+  cudaError_t e = cudaMemcpyAsync(d_ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice, stream_);
+  if (e == cudaSuccess) e = summary_build(s, stream_);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(stream_);
+  cudaFree(d_ids);
+  check(e, "summary build");
+}
+
+std::unique_ptr<ForwardOps> cuda_fork(const ForwardOps& src, EngineConfig cfg) {
+  const auto* f = dynamic_cast<const CudaForward*>(&src);
+  if (!f) throw std::invalid_argument("cuda_fork: the source is not a CUDA engine");
+  return f->fork(cfg);
 }
 
 std::string describe_status(uint32_t status) {

@@ -27,6 +27,8 @@ class CudaForward final : public ForwardOps {
   /// a missing device, cuBLAS, or memory (each naming what is missing and how much was needed).
   CudaForward(std::shared_ptr<const DeviceWeights> weights, const EngineConfig& cfg);
   ~CudaForward() override;
+  /// A copy of the sequences on a new engine that decodes by `cfg` (engine.h, cuda_fork).
+  std::unique_ptr<CudaForward> fork(EngineConfig cfg) const;
 
   bool begin(const ForwardStep& step) override;
   void embed() override;
@@ -73,8 +75,12 @@ class CudaForward final : public ForwardOps {
  private:
   void check(cudaError_t e, const char* what) const;
   void account(DecodeTotals& t) const;
+  void summarize_full_pages();  // Alg. 1 on every full page of every sequence and layer
   void debug(const char* op, const void* buf, size_t n, bool f32) const;  // the bytes the next decode step reads
-  void gemm(const void* x, const void* w, float* y, int rows, int n_out, int n_in, bool accumulate);
+  // y = x w^T (+ y): the GEMV at decode batch sizes, else cuBLAS. With y2, outputs from `split` on go
+  // to y2 (row stride n_out - split), the others to y (row stride split).
+  void gemm(const void* x, const void* w, float* y, int rows, int n_out, int n_in, bool accumulate, float* y2 = nullptr,
+            int split = 0);
 
   std::shared_ptr<const DeviceWeights> w_;
   EngineConfig cfg_;

@@ -372,6 +372,27 @@ cudaError_t locks_decode_step(const DecodePlan& plan, const DecodeStepParams& p,
   return e;
 }
 
+cudaError_t oracle_decode_step(const DecodePlan& plan, const DecodeStepParams& p, cudaStream_t stream) {
+  ExactScoreParams ex;
+  ex.batch = plan.shape.batch;
+  ex.q = p.q;
+  ex.kv = p.kv;
+  if (ex.kv.n_pages_pool == 0) ex.kv.n_pages_pool = p.n_pages_pool;
+  ex.group = plan.shape.group;
+  ex.scale = p.scale;
+  ex.log_mass = at<float>(p.workspace, plan.off_log_mass);
+  ex.log_mass_stride = plan.log_mass_stride;
+  ex.lse_total = at<float>(p.workspace, plan.off_lse_total);
+  ex.status = at<uint32_t>(p.workspace, plan.off_status);
+  SelectParams se = step_select_params(plan, p, /*paired=*/false);
+  se.chunk_stats = nullptr;  // lse_total comes from exact_page_scores
+  se.n_chunks = 0;
+  cudaError_t e = exact_page_scores(ex, stream);
+  if (e == cudaSuccess) e = select_pages(se, stream);
+  if (e == cudaSuccess) e = paged_decode_attention(step_attention_params(plan, p, /*sparse=*/true), stream);
+  return e;
+}
+
 cudaError_t dense_decode_step(const DecodePlan& plan, const DecodeStepParams& p, cudaStream_t stream) {
   return paged_decode_attention(step_attention_params(plan, p, /*sparse=*/false), stream);
 }

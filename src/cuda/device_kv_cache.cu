@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "cuda_check.h"
 #include "device_kv_cache.h"
@@ -78,6 +80,23 @@ __global__ void gather_indices_kernel(const int32_t* indptr, const int32_t* page
   const int32_t start = indptr[b], n = indptr[b + 1] - start;
   for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < n; j += gridDim.x * blockDim.x)
     indices[start + j] = page_list[size_t(b) * page_stride + j];
+}
+
+// Copies unit u of page pair i in layer l: src + l * src_layer + u * src_unit + src_id * bytes to the
+// same place of dst (K/V pages: one unit of a whole page; records: one unit per KV head).
+struct PageCopy {
+  const uint8_t* src;
+  uint8_t* dst;
+  size_t src_layer, dst_layer, src_unit, dst_unit, bytes;
+  int n_units;
+};
+__global__ void copy_pages_kernel(PageCopy c, const int32_t* src_ids, const int32_t* dst_ids) {
+  const int i = blockIdx.x, l = blockIdx.y;
+  for (int u = 0; u < c.n_units; ++u) {
+    const uint4* s = reinterpret_cast<const uint4*>(c.src + l * c.src_layer + u * c.src_unit + src_ids[i] * c.bytes);
+    uint4* d = reinterpret_cast<uint4*>(c.dst + l * c.dst_layer + u * c.dst_unit + dst_ids[i] * c.bytes);
+    for (size_t k = threadIdx.x; k < c.bytes / 16; k += blockDim.x) d[k] = s[k];
+  }
 }
 
 }  // namespace
@@ -243,6 +262,53 @@ bool DeviceKvCache::decode_fills_page() const {
   for (int32_t len : lengths_h_)
     if (len % kPageSize == kPageSize - 1) return true;
   return false;
+}
+
+bool DeviceKvCache::copy_from(const DeviceKvCache& src, cudaStream_t stream) {
+  const DeviceKvConfig& o = src.cfg_;
+  if (o.n_layer != cfg_.n_layer || o.n_head_kv != cfg_.n_head_kv || o.head_dim != cfg_.head_dim ||
+      o.dtype != cfg_.dtype || o.max_seqs != cfg_.max_seqs)
+    throw std::invalid_argument("CUDA KV cache: copy between caches of different shapes");
+  for (int32_t len : lengths_h_)
+    if (len != 0) throw std::logic_error("CUDA KV cache: copy into a cache that holds tokens");
+  std::vector<int32_t> ids;  // source page ids, then destination page ids
+  std::vector<int32_t> dst;
+  for (int b = 0; b < cfg_.max_seqs; ++b) {
+    if (src.length(b) == 0) continue;
+    extend(b, src.length(b), stream);
+    ids.insert(ids.end(), src.page_list(b).begin(), src.page_list(b).end());
+    dst.insert(dst.end(), pages_h_[b].begin(), pages_h_[b].end());
+  }
+  const bool records = records_ && src.records_;
+  const int n = int(ids.size());
+  if (n == 0) return records;
+  ids.insert(ids.end(), dst.begin(), dst.end());
+  int32_t* d_ids = device_alloc<int32_t>(ids.size(), "page copy");
+  const cudaError_t e0 = cudaMemcpyAsync(d_ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice, stream);
+  const size_t page = size_t(cfg_.n_head_kv) * kPageSize * cfg_.head_dim * 2;
+  const dim3 grid(n, cfg_.n_layer);
+  for (const auto& [from, to] : {std::pair{src.k_, k_}, std::pair{src.v_, v_}}) {
+    const PageCopy c{
+        static_cast<const uint8_t*>(from), static_cast<uint8_t*>(to), src.k_stride_ * 2, k_stride_ * 2, 0, 0, page, 1};
+    copy_pages_kernel<<<grid, 256, 0, stream>>>(c, d_ids, d_ids + n);
+  }
+  if (records) {
+    const size_t rec = summary_record_bytes(cfg_.head_dim);
+    const PageCopy c{src.records_,
+                     records_,
+                     src.records_stride_,
+                     records_stride_,
+                     size_t(src.n_pages_pool_) * rec,
+                     size_t(n_pages_pool_) * rec,
+                     rec,
+                     cfg_.n_head_kv};
+    copy_pages_kernel<<<grid, 256, 0, stream>>>(c, d_ids, d_ids + n);
+  }
+  const cudaError_t e1 = cudaGetLastError();
+  const cudaError_t e2 = cudaStreamSynchronize(stream);
+  cudaFree(d_ids);
+  check(e0 != cudaSuccess ? e0 : e1 != cudaSuccess ? e1 : e2, "page copy");
+  return records;
 }
 
 void DeviceKvCache::clear(cudaStream_t stream) {

@@ -82,6 +82,11 @@ class DeviceKvCache {
   int n_filled() const { return n_filled_; }
   /// Whether a decode step from the current lengths fills a page of some sequence.
   bool decode_fills_page() const;
+  /// Copies every sequence of `src` (lengths, K/V pages, and the summary records where both caches keep
+  /// them) into this empty cache, on `stream` (synchronised before return). Throws
+  /// std::invalid_argument when the shapes differ (layers, KV heads, head_dim, dtype, batch), and what
+  /// reserve() throws when the pages do not fit. Returns whether the records were copied.
+  bool copy_from(const DeviceKvCache& src, cudaStream_t stream);
   /// Drops every sequence's pages (lengths 0).
   void clear(cudaStream_t stream);
 

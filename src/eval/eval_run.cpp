@@ -109,6 +109,14 @@ SessionConfig fork_config(const SelectorSpec& spec, int b) {
   return sc;
 }
 
+// The selector metadata forks of `base` share (CPU; null on the GPU, whose forks build their own).
+std::unique_ptr<Selector> prepare(const Session& base, const SessionConfig& sc) {
+  return base.device() == Device::kCpu ? base.prepare_selector(sc) : nullptr;
+}
+Session fork(const Session& base, const SessionConfig& sc, const Selector* prepared) {
+  return prepared ? base.fork(sc, *prepared) : base.fork(sc);
+}
+
 // The budgets a spec runs at: a budget-free selector (full) once, as budget 0.
 std::vector<int> spec_budgets(const EvalConfig& cfg, const SelectorSpec& spec) {
   return budget_free(spec.name) ? std::vector<int>{0} : cfg.budgets;
@@ -147,6 +155,7 @@ void run_needle_context(EvalRun& run, int len, NeedleFamily fam, int c) {
         fmt::format("{} {} ctx {}: prefill {} tokens", needle_family_name(fam), len, c, task.context_ids.size()));
   SessionConfig base_cfg;
   base_cfg.n_ctx = task.total_tokens() + 16;
+  base_cfg.device = cfg.device;
   Session base(plan.model, base_cfg);
   base.prefill(task.context_ids);  // dense prefill, shared by every selector
   if (c < cfg.locality_contexts && fam == plan.loc_family)
@@ -155,7 +164,7 @@ void run_needle_context(EvalRun& run, int len, NeedleFamily fam, int c) {
   // cloned into the fork of every budget.
   std::vector<std::unique_ptr<Selector>> prepared;
   for (const auto& spec : plan.specs)
-    prepared.push_back(base.prepare_selector(fork_config(spec, spec_budgets(cfg, spec).front())));
+    prepared.push_back(prepare(base, fork_config(spec, spec_budgets(cfg, spec).front())));
   struct Job {
     const NeedleTask* task;
     const SelectorSpec* spec;
@@ -200,7 +209,7 @@ void run_needle_context(EvalRun& run, int len, NeedleFamily fam, int c) {
     const int i = order[size_t(k)];
     Job& j = jobs[size_t(i)];
     try {
-      Session s = base.fork(fork_config(*j.spec, j.budget), *j.prepared);
+      Session s = fork(base, fork_config(*j.spec, j.budget), j.prepared);
       std::unique_ptr<FidelityProbe> probe;
       if (cfg.fidelity && !budget_free(j.spec->name)) {
         probe = std::make_unique<FidelityProbe>();
@@ -235,6 +244,7 @@ void run_continuation_context(EvalRun& run, int len, int c) {
     run.progress(run.done, run.total, fmt::format("continuation {} ctx {}: prefill {} tokens", len, c, prefix.size()));
   SessionConfig base_cfg;
   base_cfg.n_ctx = len + 16;
+  base_cfg.device = cfg.device;
   Session base(plan.model, base_cfg);
   base.prefill(prefix);
   // Reference distributions: full attention, teacher-forced over the same tokens.
@@ -271,9 +281,9 @@ void run_continuation_context(EvalRun& run, int len, int c) {
     for (const auto& spec : plan.specs) {
       if (budget_free(spec.name) != record) continue;
       const std::vector<int> budgets = spec_budgets(cfg, spec);
-      const auto prepared = base.prepare_selector(fork_config(spec, budgets.front()));
+      const auto prepared = prepare(base, fork_config(spec, budgets.front()));
       for (int b : budgets) {
-        Session s = base.fork(fork_config(spec, b), *prepared);
+        Session s = fork(base, fork_config(spec, b), prepared.get());
         EvalRow row = proto;
         row.selector = spec.label;
         row.budget = b;
@@ -297,10 +307,25 @@ void run_continuation_context(EvalRun& run, int len, int c) {
   ++run.done;
 }
 
+// The configuration as run: on the GPU the fidelity chain and the locality finding (both read the
+// CPU's cache) are off, and forks run one at a time (they share the GPU).
+EvalConfig effective_config(const EvalConfig& given, const std::function<void(const std::string&)>& warn) {
+  EvalConfig cfg = given;
+  if (cfg.device != Device::kCuda) return cfg;
+  if (cfg.fidelity && warn) warn("--device cuda: no fidelity chain (it reads the KV cache on the CPU)");
+  if (cfg.locality_contexts > 0 && warn) warn("--device cuda: no locality finding (it reads the KV cache on the CPU)");
+  cfg.fidelity = false;
+  cfg.locality_contexts = 0;
+  cfg.fork_threads = 1;
+  return cfg;
+}
+
 }  // namespace
 
-std::vector<EvalRow> run_eval(const EvalConfig& cfg, const EvalProgress& progress,
+std::vector<EvalRow> run_eval(const EvalConfig& given, const EvalProgress& progress,
                               const std::function<void(const std::string&)>& warn) {
+  if (const std::string why = device_unavailable(given.device); !why.empty()) throw std::runtime_error(why);
+  const EvalConfig cfg = effective_config(given, warn);
   EvalPlan plan = plan_eval(cfg, warn);  // every check before the (long) run starts
   ResultsCsv csv(cfg.out_dir);           // rows go out as they are measured: a long run keeps what it finished
   plan_contexts(plan, cfg, progress);

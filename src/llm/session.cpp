@@ -21,8 +21,7 @@ using Clock = std::chrono::steady_clock;
 constexpr int kPageSize = 16;
 
 #ifdef LOCKS_WITH_CUDA
-std::unique_ptr<ForwardOps> make_cuda_ops(const LlamaModel& model, const SessionConfig& cfg, int n_ctx,
-                                          int budget_pages, int prefill_chunk) {
+cuda::EngineConfig engine_config(const SessionConfig& cfg, int n_ctx, int budget_pages, int prefill_chunk) {
   if (const std::string why = device_refusal(Device::kCuda, cfg.selector, cfg.selector_opts); !why.empty())
     throw std::invalid_argument(why);
   cuda::EngineConfig ec;
@@ -31,12 +30,13 @@ std::unique_ptr<ForwardOps> make_cuda_ops(const LlamaModel& model, const Session
   ec.max_rows = prefill_chunk;
   ec.kv_dtype = cfg.cuda.kv_bf16 ? cuda::KvType::kBF16 : cuda::KvType::kF16;
   ec.locks = cfg.selector == "locks";
+  ec.oracle = cfg.selector == "oracle";
   ec.budget_pages = budget_pages;
   ec.weights = cfg.cuda.weights == CudaSessionOptions::Weights::kBF16  ? cuda::EngineWeights::kBF16
                : cfg.cuda.weights == CudaSessionOptions::Weights::kF32 ? cuda::EngineWeights::kF32
                                                                        : cuda::EngineWeights::kAuto;
   ec.device = cfg.cuda.gpu;
-  return cuda::make_cuda_forward(model, ec);
+  return ec;
 }
 #endif
 
@@ -44,14 +44,29 @@ std::unique_ptr<ForwardOps> make_cuda_ops(const LlamaModel& model, const Session
 
 std::string device_refusal(Device device, const std::string& selector, const SelectorOptions& opts) {
   if (device != Device::kCuda) return "";
-  if (selector != "full" && selector != "locks")
-    return fmt::format("selector '{}' runs on the CPU only: --device cuda decodes with full or locks", selector);
+  if (selector != "full" && selector != "locks" && selector != "oracle")
+    return fmt::format("selector '{}' runs on the CPU only: --device cuda decodes with full, locks or oracle",
+                       selector);
+  if (selector == "oracle" && !same_selector("oracle", opts, "oracle", SelectorOptions{}))
+    return fmt::format("--device cuda runs the oracle with the share-average rule, not '{}'",
+                       describe_selector("oracle", opts));
   if (selector == "locks" && !same_selector("locks", opts, "locks", SelectorOptions{}))
     return fmt::format(
         "--device cuda runs LOCKS with its shipped summary (r=8, int4 basis, int8 coefficients and centroid, "
         "share-average), not '{}'",
         describe_selector("locks", opts));
   return "";
+}
+
+std::string device_unavailable(Device device) {
+  if (device != Device::kCuda) return "";
+#ifdef LOCKS_WITH_CUDA
+  std::string why;
+  return cuda::device_available(&why) ? "" : "--device cuda: " + why;
+#else
+  return "--device cuda: this build of locks has no CUDA backend (nvcc was not found when it was configured, or "
+         "-DLOCKS_CUDA=OFF)";
+#endif
 }
 
 std::string device_name(Device d) { return d == Device::kCuda ? "cuda" : "cpu"; }
@@ -74,11 +89,9 @@ Session::Session(const LlamaModel& model, const SessionConfig& cfg)
   prefill_chunk_ = cfg.prefill_chunk > 0 ? cfg.prefill_chunk : cfg.device == Device::kCuda ? 4096 : 512;
   if (cfg.device == Device::kCuda) {
 #ifdef LOCKS_WITH_CUDA
-    ops_ = make_cuda_ops(model, cfg, n_ctx_, budget_pages_, prefill_chunk_);
+    ops_ = cuda::make_cuda_forward(model, engine_config(cfg, n_ctx_, budget_pages_, prefill_chunk_));
 #else
-    throw std::runtime_error(
-        "--device cuda: this build of locks has no CUDA backend (nvcc was not found when it "
-        "was configured, or -DLOCKS_CUDA=OFF)");
+    throw std::runtime_error(device_unavailable(Device::kCuda));
 #endif
   } else {
     KvCacheConfig c;
@@ -139,7 +152,30 @@ int Session::check_budget(int budget_tokens, int B) {
 
 Session Session::fork(const SessionConfig& cfg) const {
   check_budget(cfg.budget_tokens, kPageSize);  // before the (costly) metadata build
+  if (!cpu_) return fork_on_gpu(cfg);
   return fork_with(cfg, prepare_selector(cfg));
+}
+
+Session::Session(const Session& base, const SessionConfig& cfg, std::unique_ptr<ForwardOps> ops)
+    : model_(base.model_),
+      cfg_(cfg),
+      n_ctx_(base.n_ctx_),
+      budget_pages_(check_budget(cfg.budget_tokens, kPageSize)),
+      prefill_chunk_(base.prefill_chunk_),
+      ops_(std::move(ops)),
+      logits_(base.logits_) {}
+
+Session Session::fork_on_gpu(const SessionConfig& cfg) const {
+  SessionConfig c = cfg_;
+  c.selector = cfg.selector;
+  c.budget_tokens = cfg.budget_tokens;
+  c.selector_opts = cfg.selector_opts;
+#ifdef LOCKS_WITH_CUDA
+  const int budget_pages = check_budget(c.budget_tokens, kPageSize);
+  return Session(*this, c, cuda::cuda_fork(*ops_, engine_config(c, n_ctx_, budget_pages, prefill_chunk_)));
+#else
+  throw std::logic_error("Session::fork: a GPU session in a build without CUDA");
+#endif
 }
 
 Session Session::fork(const SessionConfig& cfg, const Selector& prepared) const {

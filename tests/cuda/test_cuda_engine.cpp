@@ -9,6 +9,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "locks/generate.h"
@@ -138,6 +139,71 @@ TEST(CudaEngine, GraphCapturedAt4KStaysCorrectAt64K) {
   std::sort(errs.begin(), errs.end());
   EXPECT_LT(errs[errs.size() / 2], 2e-2) << "median relative L2 of the logits";
   EXPECT_EQ(gpu.n_tokens(), cpu.n_tokens());
+}
+
+// Forks of a GPU sequence (what `locks eval --device cuda` runs): a fork of a dense prefill into
+// LOCKS (summaries built for every full page at the fork) or the oracle decodes exactly as a session
+// that ran that selector from the start (same kernels on the same keys: the same tokens and logits),
+// leaves its source untouched, and the oracle's greedy tokens are the CPU oracle's.
+TEST(CudaEngine, ForksDecodeAsSessionsThatRanTheSelectorFromTheStart) {
+  SKIP_WITHOUT_CUDA();
+  const LlamaModel model = LlamaModel::load(test::source_path("models/locks-ref-a-q8_0.gguf"));
+  std::ifstream f(test::source_path("examples/needle-8k.txt"));
+  const std::string text((std::istreambuf_iterator<char>(f)), {});
+  const std::vector<int32_t> ids = model.tokenizer.encode(text, model.tokenizer.add_bos());
+  SessionConfig base_cfg = gpu_config("full", CudaSessionOptions::Weights::kF32);
+  base_cfg.n_ctx = int(ids.size()) + 64;
+  Session base(model, base_cfg);
+  base.prefill(ids);
+  const std::vector<float> base_logits = base.logits();
+  for (const auto& [sel, budget] : {std::pair<std::string, int>{"locks", 512}, {"oracle", 256}, {"full", 512}}) {
+    SessionConfig fc;
+    fc.selector = sel;
+    fc.budget_tokens = budget;
+    Session fork = base.fork(fc);
+    EXPECT_EQ(fork.device(), Device::kCuda);
+    EXPECT_EQ(fork.n_tokens(), base.n_tokens());
+    SessionConfig fresh_cfg = base_cfg;
+    fresh_cfg.selector = sel;
+    fresh_cfg.budget_tokens = budget;
+    Session fresh(model, fresh_cfg);
+    fresh.prefill(ids);
+    std::vector<int32_t> a, b;
+    int32_t ta = int32_t(std::max_element(fork.logits().begin(), fork.logits().end()) - fork.logits().begin());
+    int32_t tb = int32_t(std::max_element(fresh.logits().begin(), fresh.logits().end()) - fresh.logits().begin());
+    for (int i = 0; i < 24; ++i) {  // crosses a page boundary: the fork's own summaries of new pages too
+      a.push_back(ta);
+      b.push_back(tb);
+      const auto& la = fork.decode(ta);
+      const auto& lb = fresh.decode(tb);
+      EXPECT_LT(rel_l2(la, lb), 1e-6) << sel << " step " << i;
+      ta = int32_t(std::max_element(la.begin(), la.end()) - la.begin());
+      tb = int32_t(std::max_element(lb.begin(), lb.end()) - lb.begin());
+    }
+    EXPECT_EQ(a, b) << sel;
+    if (sel == "oracle") {
+      SessionConfig cpu_cfg;
+      cpu_cfg.selector = "oracle";
+      cpu_cfg.budget_tokens = budget;
+      Session cpu(model, cpu_cfg);
+      cpu.prefill(ids);
+      std::vector<int32_t> c;
+      int32_t tc = int32_t(std::max_element(cpu.logits().begin(), cpu.logits().end()) - cpu.logits().begin());
+      for (int i = 0; i < 24; ++i) {
+        c.push_back(tc);
+        const auto& lc = cpu.decode(tc);
+        tc = int32_t(std::max_element(lc.begin(), lc.end()) - lc.begin());
+      }
+      EXPECT_EQ(a, c) << "the GPU oracle's greedy tokens vs the CPU oracle's";
+    }
+  }
+  EXPECT_EQ(base.logits(), base_logits) << "forks leave their source as it was";
+  EXPECT_EQ(base.n_tokens(), int32_t(ids.size()));
+  SessionConfig rule;
+  rule.selector = "oracle";
+  rule.selector_opts.group_rule = GroupRule::kMax;
+  const std::string why = test::error_of<std::invalid_argument>([&] { (void)base.fork(rule); });
+  EXPECT_NE(why.find("share-average"), std::string::npos) << why;
 }
 
 // What the GPU engine refuses, in words: selectors it does not run, and the CPU-only accessors.

@@ -57,6 +57,7 @@ struct E2eOptions {
   int prefill_max_context = 131072;  // batch-1 rows up to this context also prefill for real (TTFT)
   int prefill_chunk = 4096;          // tokens per prefill call
   bool breakdown = true;             // time the LOCKS step's parts apart
+  bool cublas_decode = false;        // decode's weight products through cuBLAS instead of our GEMV
   std::string csv;                   // optional CSV output path
 };
 

@@ -24,9 +24,13 @@ struct EngineConfig {
   int max_rows = 512;               // tokens per prefill call (the prefill chunk)
   KvType kv_dtype = KvType::kBF16;  // KV cache elements
   bool locks = false;               // decode with LOCKS (score -> select -> sparse attention); else dense
-  int budget_pages = 128;           // LOCKS budget k in pages (b = 16 k tokens)
-  bool balance = true;              // DecodePlan's run-time balancing of ragged batches
-  int n_pages_pool = 0;             // 0: sized from the GPU's free memory after the weights
+  /// Decode with the oracle instead (exact page log-masses from every key, then the LOCKS selection
+  /// and sparse attention): the ceiling an evaluation compares LOCKS with. Not with `locks`.
+  bool oracle = false;
+  int budget_pages = 128;   // LOCKS budget k in pages (b = 16 k tokens)
+  bool balance = true;      // DecodePlan's run-time balancing of ragged batches
+  int n_pages_pool = 0;     // 0: sized from the GPU's free memory after the weights
+  bool decode_gemv = true;  // bf16 products of <= 8 rows through our GEMV (gemv.h); false: cuBLAS
   EngineWeights weights = EngineWeights::kAuto;
   int device = -1;  // -1: the current device
 };
@@ -36,5 +40,13 @@ struct EngineConfig {
 /// fit ("... needs 17.2 GiB ...; 12.0 GiB are free"), and std::invalid_argument for a shape the
 /// kernels do not support (LOCKS: head_dim 64 or 128 and GQA group <= 16).
 std::unique_ptr<ForwardOps> make_cuda_forward(const LlamaModel& model, const EngineConfig& cfg);
+
+/// A second engine holding a copy of `src`'s sequences (KV pages, lengths; the last logits are the
+/// caller's) that decodes by `cfg` (its mode, budget and pool; n_ctx, max_seqs, dtype and the weights,
+/// shared, are src's). The summaries of every full page are copied or, where src kept none, built (one
+/// launch per layer), so a LOCKS fork selects exactly as if it had run from the start. `src` must
+/// come from make_cuda_forward or cuda_fork (else std::invalid_argument); throws what
+/// make_cuda_forward throws when the copy does not fit.
+std::unique_ptr<ForwardOps> cuda_fork(const ForwardOps& src, EngineConfig cfg);
 
 }  // namespace locks::cuda

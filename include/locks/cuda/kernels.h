@@ -187,6 +187,28 @@ struct ScoreParams {
 inline size_t score_counters(int batch, int n_head_kv) { return size_t(batch) * n_head_kv; }
 cudaError_t score_pages(const ScoreParams& p, cudaStream_t stream);
 
+/// The oracle's scores: every page's exact log-mass s_j(q) = log sum_t exp(scale q . k_t) over its keys
+/// (the partial last page masked to last_page_len tokens), in score_pages's output format, and the
+/// share normaliser lse_total (the CPU twin: exact_log_mass, src/core/summary_score.cpp; the oracle
+/// selector reads the whole K cache, so this is a ceiling, not a fast path). Float32 arithmetic on
+/// the stored bf16/f16 keys. Bad input (a page count outside [0, log_mass_stride], last_page_len
+/// outside 1..16, a page id outside [0, kv.n_pages_pool) when that is set) -> that sequence's (or
+/// page's) log_mass and its lse_total NaN, so select_pages gives it n_selected = -1.
+/// Launch contract: grid (ceil(log_mass_stride / 4), n_head_kv, batch) x 128 threads (a warp per
+/// page), then (group, n_head_kv, batch) x 32 threads for lse_total. head_dim a multiple of 16, <= 256.
+struct ExactScoreParams {
+  int batch = 0;
+  const float* q = nullptr;  // [batch][n_head_kv * group][head_dim], 16-byte aligned
+  PagedKvView kv;
+  int group = 1;               // G, 1..16
+  float scale = 0.0f;          // softmax scale
+  float* log_mass = nullptr;   // out [batch][n_head_kv][group][log_mass_stride]
+  int log_mass_stride = 0;     // >= max_b n_pages_b
+  float* lse_total = nullptr;  // out [batch][n_head_kv][group]
+  uint32_t* status = nullptr;  // nullable
+};
+cudaError_t exact_page_scores(const ExactScoreParams& p, cudaStream_t stream);
+
 // ----------------------------------------------------------------------------------------------
 /// Group-average shares and the selected set (Alg. 2 lines 6-9): share m_bar_j = mean_g
 /// exp(log_mass[g][j] - lse_total[g]); keep page 0 (sink), page n-1 (recent) and the top-(k-2) other
@@ -403,6 +425,10 @@ struct DecodeStepParams {
 /// first launch error; after an error, run init_decode_workspace before the next step (a score pass
 /// may have been enqueued without its select, which would leave the per-pair counters out of step).
 cudaError_t locks_decode_step(const DecodePlan& plan, const DecodeStepParams& p, cudaStream_t stream);
+/// Oracle step: exact_page_scores -> select_pages -> sparse paged_decode_attention, the selection rule
+/// and budget of the LOCKS step with exact page log-masses (the `oracle` selector of the CPU). Needs no
+/// summaries (p.summaries is not read). Capturable; errors as locks_decode_step.
+cudaError_t oracle_decode_step(const DecodePlan& plan, const DecodeStepParams& p, cudaStream_t stream);
 /// Dense step over every page (same kernel, more splits).
 cudaError_t dense_decode_step(const DecodePlan& plan, const DecodeStepParams& p, cudaStream_t stream);
 /// The launches a step makes, one by one (for benchmarks that time them apart): the parameters
