@@ -298,4 +298,24 @@ cudaError_t allow_large_clusters() {
   return raise_func_attribute<Kernel, cudaFuncAttributeNonPortableClusterSizeAllowed>(1);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Launches `kernel` with programmatic dependent launch: its CTAs may be scheduled while the previous
+// kernel of the stream finishes (a decode step is hundreds of short kernels, and this hides most of
+// each launch gap). The kernel must pdl_wait() before it reads what earlier kernels wrote or writes
+// what they read.
+template <class... KernelArgs, class... Args>
+inline cudaError_t launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, cudaStream_t stream, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+
 }  // namespace locks::cuda::detail

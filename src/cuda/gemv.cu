@@ -3,8 +3,8 @@
 // K permutation (ptx.cuh): per 32-wide chunk of n_in, lane (g, t) loads 16 bytes at k0 + 8t of
 // weight rows g and g + 8 and of batch row g, and feeds them to two m16n8k16 MMAs as if they were
 // logical columns {2t, 2t+1, 2t+8, 2t+9}: the same permutation on A and B, so the sum is unchanged.
+#include "common.cuh"
 #include "gemv.h"
-#include "ptx.cuh"
 
 namespace locks::cuda {
 
@@ -35,16 +35,26 @@ __global__ void __launch_bounds__(32 * kWarps) gemv_bf16_kernel(GemvParams p) {
   const int n_chunks = (p.n_in + 31) / 32;
   float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  for (int base = warp; base < n_chunks; base += kWarps * kUnroll) {
-    uint4 a[kUnroll], b[kUnroll], xv[kUnroll];
+  uint4 a[kUnroll], b[kUnroll], xv[kUnroll];
+  auto load_weights = [&](int base) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int chunk = base + u * kWarps;
-      const int k = chunk * 32 + 8 * t;
-      const bool in = chunk < n_chunks && k < p.n_in;
+      const bool in = chunk < n_chunks && chunk * 32 + 8 * t < p.n_in;
       a[u] = in && lo_ok ? ld_weights(w_lo + size_t(chunk) * 32) : zero;
       b[u] = in && hi_ok ? ld_weights(w_hi + size_t(chunk) * 32) : zero;
-      xv[u] = in && x_ok ? __ldg(reinterpret_cast<const uint4*>(xr + size_t(chunk) * 32)) : zero;
+    }
+  };
+  // The weights do not depend on the previous kernel: their first loads go out before the PDL wait,
+  // while that kernel finishes; x is its output (read at the L2, never through the non-coherent path).
+  load_weights(warp);
+  pdl_wait();
+  for (int base = warp; base < n_chunks; base += kWarps * kUnroll) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int chunk = base + u * kWarps;
+      const bool in = chunk < n_chunks && chunk * 32 + 8 * t < p.n_in;
+      xv[u] = in && x_ok ? __ldcg(reinterpret_cast<const uint4*>(xr + size_t(chunk) * 32)) : zero;
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -53,7 +63,9 @@ __global__ void __launch_bounds__(32 * kWarps) gemv_bf16_kernel(GemvParams p) {
       mma_16816(c, f0, xv[u].x, xv[u].y, __nv_bfloat16{});
       mma_16816(c, f1, xv[u].z, xv[u].w, __nv_bfloat16{});
     }
+    if (base + kWarps * kUnroll < n_chunks) load_weights(base + kWarps * kUnroll);
   }
+  pdl_launch_dependents();
 #pragma unroll
   for (int i = 0; i < 4; ++i) partial[warp][lane][i] = c[i];
   __syncthreads();
@@ -81,8 +93,7 @@ cudaError_t gemv_bf16(const GemvParams& p, cudaStream_t stream) {
       (p.split < p.n_out && !p.y2))
     return cudaErrorInvalidValue;
   const unsigned grid = unsigned((p.n_out + 15) / 16);
-  gemv_bf16_kernel<<<grid, 32 * kWarps, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch_pdl(gemv_bf16_kernel, dim3(grid), dim3(32 * kWarps), stream, p);
 }
 
 }  // namespace locks::cuda

@@ -71,6 +71,8 @@ __global__ void __launch_bounds__(kRowThreads) embed_kernel(EmbedParams p) {
 // same thread, after the sum.
 template <int VEC, bool F32>
 __global__ void __launch_bounds__(kRowThreads) rmsnorm_kernel(RmsNormParams p) {
+  pdl_wait();  // launched with PDL (launch_pdl): the inputs are the previous kernel's
+  pdl_launch_dependents();
   __shared__ double warp_ss[kRowThreads / 32];
   __shared__ float inv_s;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -136,6 +138,8 @@ __device__ __forceinline__ void rotate_heads(float* base, int n_heads, int head_
 }
 
 __global__ void __launch_bounds__(kRopeThreads) rope_kernel(RopeParams p, int q_stride, int k_stride) {
+  pdl_wait();  // launched with PDL (launch_pdl): the inputs are the previous kernel's
+  pdl_launch_dependents();
   const int half = p.n_rot / 2;
   const long long t = (long long)blockIdx.x * kRopeThreads + threadIdx.x;
   if (t >= (long long)p.n_rows * half) return;
@@ -191,6 +195,8 @@ __device__ __forceinline__ uint32_t pack_kv(float x, float y, bool& bad) {
 
 template <int VEC, bool BF16>
 __global__ void __launch_bounds__(kAppendThreads) append_kv_kernel(AppendKvParams p, int k_stride, int v_stride) {
+  pdl_wait();  // launched with PDL (launch_pdl): the inputs are the previous kernel's
+  pdl_launch_dependents();
   const int r = blockIdx.x;
   const int s = p.row_seq ? p.row_seq[r] : 0;
   const int pos = p.row_pos[r];
@@ -241,6 +247,8 @@ __device__ __forceinline__ float silu_mul(float g, float u) { return __fmul_rn(_
 
 template <int VEC>
 __global__ void __launch_bounds__(kRowThreads) swiglu_kernel(SwigluParams p, int gate_stride, int up_stride) {
+  pdl_wait();  // launched with PDL (launch_pdl): the inputs are the previous kernel's
+  pdl_launch_dependents();
   const int n_vec = p.n_ff / VEC;
   for (int r = blockIdx.y; r < p.n_rows; r += gridDim.y) {
     const float* gr = p.gate + size_t(r) * gate_stride;
@@ -261,6 +269,8 @@ __global__ void __launch_bounds__(kRowThreads) swiglu_kernel(SwigluParams p, int
 
 template <int VEC>
 __global__ void __launch_bounds__(kRowThreads) f32_to_bf16_kernel(const float* in, void* out, size_t n) {
+  pdl_wait();  // launched with PDL (launch_pdl): the inputs are the previous kernel's
+  pdl_launch_dependents();
   const size_t n_vec = n / VEC;
   const size_t step = size_t(gridDim.x) * kRowThreads;
   for (size_t c = size_t(blockIdx.x) * kRowThreads + threadIdx.x; c < n_vec; c += step) {
@@ -663,13 +673,13 @@ cudaError_t rmsnorm_rows(const RmsNormParams& p, cudaStream_t stream) {
   const bool vec = p.n % 4 == 0 && aligned(p.x, 16) && aligned(p.weight, 16) && aligned(p.out, p.out_f32 ? 16 : 8);
   const dim3 grid(unsigned(p.n_rows));
   if (vec && p.out_f32)
-    rmsnorm_kernel<4, true><<<grid, kRowThreads, 0, stream>>>(p);
+    return launch_pdl(rmsnorm_kernel<4, true>, grid, kRowThreads, stream, p);
   else if (vec)
-    rmsnorm_kernel<4, false><<<grid, kRowThreads, 0, stream>>>(p);
+    return launch_pdl(rmsnorm_kernel<4, false>, grid, kRowThreads, stream, p);
   else if (p.out_f32)
-    rmsnorm_kernel<1, true><<<grid, kRowThreads, 0, stream>>>(p);
+    return launch_pdl(rmsnorm_kernel<1, true>, grid, kRowThreads, stream, p);
   else
-    rmsnorm_kernel<1, false><<<grid, kRowThreads, 0, stream>>>(p);
+    return launch_pdl(rmsnorm_kernel<1, false>, grid, kRowThreads, stream, p);
   return cudaGetLastError();
 }
 
@@ -686,8 +696,8 @@ cudaError_t rope_rows(const RopeParams& p, cudaStream_t stream) {
   if (!p.positions || !p.inv_freq) return cudaErrorInvalidValue;
   const long long threads = (long long)p.n_rows * (p.n_rot / 2);
   if (threads > (long long)INT_MAX * kRopeThreads) return cudaErrorInvalidValue;
-  rope_kernel<<<unsigned(div_up(threads, kRopeThreads)), kRopeThreads, 0, stream>>>(p, q_stride, k_stride);
-  return cudaGetLastError();
+  return launch_pdl(rope_kernel, dim3(unsigned(div_up(threads, kRopeThreads))), kRopeThreads, stream, p, q_stride,
+                    k_stride);
 }
 
 cudaError_t add_bias_rows(const AddBiasParams& p, cudaStream_t stream) {
@@ -718,13 +728,13 @@ cudaError_t append_kv(const AppendKvParams& p, cudaStream_t stream) {
   const bool bf16 = p.dtype == KvType::kBF16;
   const dim3 grid(unsigned(p.n_rows));
   if (vec && bf16)
-    append_kv_kernel<4, true><<<grid, kAppendThreads, 0, stream>>>(p, k_stride, v_stride);
+    return launch_pdl(append_kv_kernel<4, true>, grid, kAppendThreads, stream, p, k_stride, v_stride);
   else if (vec)
-    append_kv_kernel<4, false><<<grid, kAppendThreads, 0, stream>>>(p, k_stride, v_stride);
+    return launch_pdl(append_kv_kernel<4, false>, grid, kAppendThreads, stream, p, k_stride, v_stride);
   else if (bf16)
-    append_kv_kernel<2, true><<<grid, kAppendThreads, 0, stream>>>(p, k_stride, v_stride);
+    return launch_pdl(append_kv_kernel<2, true>, grid, kAppendThreads, stream, p, k_stride, v_stride);
   else
-    append_kv_kernel<2, false><<<grid, kAppendThreads, 0, stream>>>(p, k_stride, v_stride);
+    return launch_pdl(append_kv_kernel<2, false>, grid, kAppendThreads, stream, p, k_stride, v_stride);
   return cudaGetLastError();
 }
 
@@ -736,9 +746,10 @@ cudaError_t swiglu_rows(const SwigluParams& p, cudaStream_t stream) {
   if (!p.gate || !p.up || !p.out) return cudaErrorInvalidValue;
   if (!p.out_f32 && p.n_ff % 4 == 0 && gate_stride % 4 == 0 && up_stride % 4 == 0 && aligned(p.gate, 16) &&
       aligned(p.up, 16) && aligned(p.out, 8))
-    swiglu_kernel<4><<<rowwise_grid(p.n_rows, p.n_ff / 4), kRowThreads, 0, stream>>>(p, gate_stride, up_stride);
+    return launch_pdl(swiglu_kernel<4>, rowwise_grid(p.n_rows, p.n_ff / 4), kRowThreads, stream, p, gate_stride,
+                      up_stride);
   else
-    swiglu_kernel<1><<<rowwise_grid(p.n_rows, p.n_ff), kRowThreads, 0, stream>>>(p, gate_stride, up_stride);
+    return launch_pdl(swiglu_kernel<1>, rowwise_grid(p.n_rows, p.n_ff), kRowThreads, stream, p, gate_stride, up_stride);
   return cudaGetLastError();
 }
 
@@ -749,9 +760,9 @@ cudaError_t f32_to_bf16(const float* in, void* out, size_t n, cudaStream_t strea
   const size_t n_vec = vec ? n / 4 : n;
   const unsigned grid = unsigned(std::clamp<size_t>((n_vec + kRowThreads - 1) / kRowThreads, 1, 4096));
   if (vec)
-    f32_to_bf16_kernel<4><<<grid, kRowThreads, 0, stream>>>(in, out, n);
+    return launch_pdl(f32_to_bf16_kernel<4>, dim3(grid), kRowThreads, stream, in, out, n);
   else
-    f32_to_bf16_kernel<1><<<grid, kRowThreads, 0, stream>>>(in, out, n);
+    return launch_pdl(f32_to_bf16_kernel<1>, dim3(grid), kRowThreads, stream, in, out, n);
   return cudaGetLastError();
 }
 

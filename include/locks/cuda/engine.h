@@ -30,7 +30,7 @@ struct EngineConfig {
   int budget_pages = 128;   // LOCKS budget k in pages (b = 16 k tokens)
   bool balance = true;      // DecodePlan's run-time balancing of ragged batches
   int n_pages_pool = 0;     // 0: sized from the GPU's free memory after the weights
-  bool decode_gemv = true;  // bf16 products of <= 8 rows through our GEMV (gemv.h); false: cuBLAS
+  bool decode_gemv = true;  // batch-1 bf16 products through our GEMV (gemv.h); false: cuBLAS
   EngineWeights weights = EngineWeights::kAuto;
   int device = -1;  // -1: the current device
 };
