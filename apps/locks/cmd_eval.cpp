@@ -89,6 +89,10 @@ Runner add_eval(CLI::App& app) {
     if (*threads > 0) omp_set_num_threads(*threads);
     EvalConfig cfg = *c;
     cfg.device = parse_device(*device);
+    if (cfg.device == Device::kCuda) {  // both read the CPU's KV cache (--device's help says so)
+      cfg.fidelity = false;
+      cfg.locality_contexts = 0;
+    }
     if (cfg.model_path.empty()) cfg.model_path = default_model_path();
     cfg.corpus_path = resolve_default_path(cfg.corpus_path);
     // Usage errors (bad selector specs, families, budgets) exit 2 like other bad options.
