@@ -71,7 +71,8 @@ struct GgufTensorInfo {
 };
 
 /// A parsed GGUF file: open() maps the file read-only (mmap, MAP_PRIVATE; pages are read on first
-/// touch and shared with the page cache), from_bytes() owns an in-memory image. Every accessor that can fail throws
+/// touch and shared with the page cache; the file must not shrink while mapped), from_bytes() owns an
+/// in-memory image. Every accessor that can fail throws
 /// std::runtime_error with a message naming the file and the key / tensor / offset at fault. Parsing never reads out of
 /// bounds, on any input.
 class GgufFile {
