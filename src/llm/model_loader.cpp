@@ -138,7 +138,11 @@ LlamaModel LlamaModel::from_gguf(const GgufFile& f, const ModelLoadOptions& opts
   };
   hp.rope_freq_base = f32_or_noted("rope.freq_base", 10000.0f);
   hp.rms_eps = f32_or_noted("attention.layer_norm_rms_epsilon", 1e-5f);
-  if (opts.tokenizer) {
+  // Scores and types matter to the SentencePiece vocabulary; byte-level BPE (gpt2) merges by rank.
+  const GgufValue* vocab_model = f.find("tokenizer.ggml.model");
+  const bool spm = !vocab_model || vocab_model->type != GgufValue::Type::STRING ||
+                   std::get<std::string>(vocab_model->value) == "llama";
+  if (opts.tokenizer && spm) {
     note_missing("tokenizer.ggml.scores", "every piece scored 0 (merges by piece order only)");
     note_missing("tokenizer.ggml.token_type", "every piece a normal token");
   }
