@@ -3,7 +3,8 @@
 
 Seeds: the first 64 KB of each real model (truncated: exercises the error paths deep inside the
 header), valid shrunken copies of both (real metadata and vocabulary, a few real tensors), and a
-synthetic file with every metadata type, nested arrays, every tensor type and 64-byte alignment.
+synthetic file with every metadata type, nested arrays, every tensor type and 64-byte alignment, and
+one with a block of each K-quant (Q2_K..Q6_K, patterned bytes, f16 scales 1.0).
 Usage: fuzz/make_seeds.py [shared_models_dir] [out_dir]
 """
 import os
@@ -14,7 +15,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = sys.argv[1] if len(sys.argv) > 1 else os.path.join(HERE, "..", "..", "shared", "models")
 OUT = sys.argv[2] if len(sys.argv) > 2 else os.path.join(HERE, "corpus")
 SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "B", 10: "Q", 11: "q", 12: "d"}
-BLOCK = {0: (1, 4), 1: (1, 2), 30: (1, 2), 8: (32, 34), 2: (32, 18)}
+BLOCK = {0: (1, 4), 1: (1, 2), 30: (1, 2), 8: (32, 34), 2: (32, 18), 10: (256, 84), 11: (256, 110), 12: (256, 144),
+         13: (256, 176), 14: (256, 210)}
 
 
 def parse(b):
@@ -150,6 +152,17 @@ def main():
         (b"q4", [32], 2, q4),
     ]
     seeds["synthetic-all-types.gguf"] = write(kvs, tensors, align=64, version=2)
+
+    # K-quants: one 256-element block each; every byte patterned, the f16 super-block scales 1.0.
+    kq = []
+    for t, (_, bb) in sorted(BLOCK.items()):
+        if t < 10 or t > 14:
+            continue
+        blk = bytearray((i * 37 + t) & 0xFF for i in range(bb))
+        for at in {10: (80, 82), 11: (108,), 12: (0, 2), 13: (0, 2), 14: (208,)}[t]:
+            blk[at:at + 2] = struct.pack("<H", 0x3C00)
+        kq.append((b"q%d_k" % (t - 8), [256], t, bytes(blk)))
+    seeds["synthetic-kquants.gguf"] = write([(b"general.architecture", 8, gstr(b"qwen3"))], kq)
 
     for name, blob in seeds.items():
         assert len(blob) < 100 * 1024, (name, len(blob))

@@ -45,9 +45,11 @@ class ForwardOps {
   virtual bool begin(const ForwardStep& step) = 0;
   virtual void embed() = 0;                        // x = tok_embd[tokens]
   virtual void rmsnorm(int il, NormWeight w) = 0;  // xn = x / rms(x) * w (kOutput: last rows, il unused)
-  virtual void qkv(int il) = 0;                    // q, k, v = xn W_q, xn W_k, xn W_v (+ bias)
-  virtual void rope_append(int il) = 0;  // RoPE on q, k; k, v into the paged cache; Alg. 1 on pages that filled
-  virtual void attention(int il) = 0;    // att = softmax(q K^T * scale) V (decode: over the selection)
+  virtual void qkv(int il) = 0;                    // q, k, v = xn W_q, xn W_k, xn W_v (+ bias: hp.attn_bias)
+  /// Per-head RMSNorm of q, k (hp.attn_qk_norm), RoPE on q, k (hp.rope_style, model.rope_freqs); k, v
+  /// into the paged cache; Alg. 1 on the pages that filled.
+  virtual void rope_append(int il) = 0;
+  virtual void attention(int il) = 0;                  // att = softmax(q K^T * scale) V (decode: over the selection)
   virtual void project_add(int il, Projection p) = 0;  // x += att W_o, or x += ffn W_down
   virtual void gate_up_swiglu(int il) = 0;             // ffn = silu(xn W_gate) * (xn W_up)
   virtual void logits() = 0;                           // logits = xn W_out for the last row of each sequence

@@ -1,4 +1,5 @@
-// GGUF reader: versions 2 and 3, every metadata value type, tensor types F32/F16/BF16/Q8_0/Q4_0.
+// GGUF reader: versions 2 and 3, every metadata value type, tensor types F32/F16/BF16/Q8_0/Q4_0 and the
+// K-quants Q2_K..Q6_K.
 // Spec: ggml docs/gguf.md. Dimensions are innermost first (ne[0] is the row length).
 #pragma once
 
@@ -14,7 +15,18 @@
 namespace locks {
 
 /// ggml tensor type ids as stored in GGUF (ggml.h `enum ggml_type`).
-enum class GgmlType : uint32_t { F32 = 0, F16 = 1, Q4_0 = 2, Q8_0 = 8, BF16 = 30 };
+enum class GgmlType : uint32_t {
+  F32 = 0,
+  F16 = 1,
+  Q4_0 = 2,
+  Q8_0 = 8,
+  Q2_K = 10,
+  Q3_K = 11,
+  Q4_K = 12,
+  Q5_K = 13,
+  Q6_K = 14,
+  BF16 = 30
+};
 
 /// Name of a ggml type id ("F32", "Q8_0", ...); "type#N" for ids we do not decode.
 std::string ggml_type_name(uint32_t type);
@@ -58,12 +70,14 @@ struct GgufTensorInfo {
   const uint8_t* data = nullptr;  // points into GgufFile's image
 };
 
-/// A parsed GGUF file held in memory (the whole file is read; models here are small).
-/// Every accessor that can fail throws std::runtime_error with a message naming the file and the
-/// key / tensor / offset at fault. Parsing never reads out of bounds, on any input.
+/// A parsed GGUF file: open() maps the file read-only (mmap, MAP_PRIVATE; pages are read on first
+/// touch and shared with the page cache; the file must not shrink while mapped), from_bytes() owns an
+/// in-memory image. Every accessor that can fail throws
+/// std::runtime_error with a message naming the file and the key / tensor / offset at fault. Parsing never reads out of
+/// bounds, on any input.
 class GgufFile {
  public:
-  /// Read and parse a file. Throws std::runtime_error ("GGUF 'path': ...") on I/O or format errors:
+  /// Map and parse a file. Throws std::runtime_error ("GGUF 'path': ...") on I/O or format errors:
   /// bad magic, unsupported version, truncation, counts/sizes that overflow, unknown value or tensor
   /// types, misaligned or out-of-range tensor data, duplicate names.
   static GgufFile open(const std::string& path);
@@ -95,13 +109,17 @@ class GgufFile {
   const GgufTensorInfo& tensor(std::string_view name) const;       // throws when absent
 
   /// Dequantize a tensor to float32, elements in file order (ne[0] fastest).
-  /// Throws for tensor types other than F32, F16, BF16, Q8_0, Q4_0.
+  /// Throws for tensor types other than F32, F16, BF16, Q8_0, Q4_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, and
+  /// when the tensor's bytes do not lie inside this file's image.
   std::vector<float> dequantize(const GgufTensorInfo& t) const;
 
  private:
   std::string name_;
-  // Shared so that copies of a GgufFile keep every GgufTensorInfo::data pointer valid.
-  std::shared_ptr<const std::vector<uint8_t>> bytes_;
+  static GgufFile parse(std::shared_ptr<const void> owner, std::span<const uint8_t> image, std::string name);
+  // The image (a mapping or a vector) is shared so that copies of a GgufFile keep every
+  // GgufTensorInfo::data pointer valid; `owner_` releases it with the last copy.
+  std::shared_ptr<const void> owner_;
+  std::span<const uint8_t> image_;
   uint32_t version_ = 0;
   uint64_t alignment_ = 32;
   std::map<std::string, GgufValue, std::less<>> kv_;

@@ -1,6 +1,11 @@
-// Llama-architecture model loaded from GGUF (llama.cpp "llama" conventions): RMSNorm, RoPE "normal"
-// (interleaved pairs 2i, 2i+1), SwiGLU FFN, GQA, tied output when `output.weight` is absent.
-// Weights are dequantized to float32 at load (the reference models are small; math is float32).
+// Decoder-only transformer loaded from GGUF, by `general.architecture` (llama.cpp's conventions):
+//   llama  RoPE "normal" (interleaved pairs 2i, 2i+1), optional `rope_freqs.weight` (Llama-3.1 RoPE
+//          scaling: per-pair frequency divisors), tied output when `output.weight` is absent;
+//   qwen2  as llama plus Q/K/V biases, NEOX RoPE (pairs i, i + n_rot/2);
+//   qwen3  as llama plus per-head RMSNorm of q and k before RoPE, NEOX RoPE, head_dim from
+//          `qwen3.attention.key_length` (need not be n_embd / n_head), no biases.
+// All share RMSNorm, SwiGLU FFN and GQA; the forward pass is one (llama_forward, locks/forward.h),
+// its operations switched by the flags in LlamaHparams. Weights are dequantized to float32 at load.
 #pragma once
 
 #include <cstdint>
@@ -12,18 +17,28 @@
 
 namespace locks {
 
+/// Which dimensions RoPE rotates together (llama.cpp's LLAMA_ROPE_TYPE_NORM / _NEOX).
+enum class RopeStyle {
+  kNormal,  // pairs (2i, 2i+1) of each head (llama)
+  kNeox     // pairs (i, i + n_rot/2) (qwen2, qwen3)
+};
+
 struct LlamaHparams {
+  std::string arch = "llama";  // general.architecture; the GGUF keys below are prefixed by it
   int n_vocab = 0;
-  int n_ctx_train = 0;  // llama.context_length
+  int n_ctx_train = 0;  // <arch>.context_length
   int n_embd = 0;       // d_model
   int n_layer = 0;
   int n_ff = 0;
   int n_head = 0;
   int n_head_kv = 0;
-  int head_dim = 0;  // n_embd / n_head
+  int head_dim = 0;  // <arch>.attention.key_length, else n_embd / n_head
   int n_rot = 0;     // rope dimension count (<= head_dim)
   float rope_freq_base = 10000.0f;
   float rms_eps = 1e-5f;
+  RopeStyle rope_style = RopeStyle::kNormal;
+  bool attn_bias = false;     // q, k, v += bq, bk, bv after the projections (qwen2)
+  bool attn_qk_norm = false;  // q, k of each head RMSNormed with attn_q_norm / attn_k_norm before RoPE (qwen3)
   int n_group() const { return n_head / n_head_kv; }  // G
 };
 
@@ -34,25 +49,41 @@ struct Matrix {
 };
 
 struct LlamaLayer {
-  std::vector<float> attn_norm;  // [n_embd]
-  Matrix wq, wk, wv, wo;         // [n_head*hd][n_embd], [n_kv*hd][n_embd] x2, [n_embd][n_head*hd]
-  std::vector<float> ffn_norm;   // [n_embd]
-  Matrix w_gate, w_up, w_down;   // [n_ff][n_embd] x2, [n_embd][n_ff]
+  std::vector<float> attn_norm;                 // [n_embd]
+  Matrix wq, wk, wv, wo;                        // [n_head*hd][n_embd], [n_kv*hd][n_embd] x2, [n_embd][n_head*hd]
+  std::vector<float> bq, bk, bv;                // [n_head*hd], [n_kv*hd] x2; empty unless hp.attn_bias
+  std::vector<float> attn_q_norm, attn_k_norm;  // [head_dim] each; empty unless hp.attn_qk_norm
+  std::vector<float> ffn_norm;                  // [n_embd]
+  Matrix w_gate, w_up, w_down;                  // [n_ff][n_embd] x2, [n_embd][n_ff]
+};
+
+/// What LlamaModel::from_gguf builds besides the weights.
+struct ModelLoadOptions {
+  /// Build the tokenizer from `tokenizer.ggml.*`. Off: `tokenizer` stays empty and n_vocab comes from
+  /// the token list's length, `<arch>.vocab_size` or token_embd's rows (for callers that feed ids).
+  bool tokenizer = true;
 };
 
 class LlamaModel {
  public:
-  /// Load hyper-parameters, weights and tokenizer. Throws std::runtime_error naming the file and the
-  /// missing/invalid key or tensor (wrong shape, unsupported type, architecture not "llama",
-  /// head counts that do not divide), or that memory ran out while loading it (the file is read
-  /// whole and the weights are held as f32).
-  static LlamaModel load(const std::string& path);
-  static LlamaModel from_gguf(const GgufFile& gguf);
+  /// Map the file (GgufFile::open) and load hyper-parameters, weights and tokenizer. Throws
+  /// std::runtime_error naming the file and: the unsupported architecture (with the supported ones),
+  /// the required keys that are missing (all of them, in one message), an invalid key or tensor
+  /// (wrong shape, unsupported type, head counts that do not divide), or the memory the weights need
+  /// as f32 when /proc/meminfo's MemAvailable is smaller (checked before anything is allocated).
+  static LlamaModel load(const std::string& path, const ModelLoadOptions& opts = {});
+  /// The same from a parsed file (the memory check included).
+  static LlamaModel from_gguf(const GgufFile& gguf, const ModelLoadOptions& opts = {});
+  /// Bytes the weights of `gguf` take once dequantized (every tensor as float32): what loading needs.
+  static uint64_t weight_bytes(const GgufFile& gguf);
 
   LlamaHparams hp;
   Matrix tok_embd;  // [n_vocab][n_embd]
   Matrix output;    // [n_vocab][n_embd]; empty when tied to tok_embd
   std::vector<float> output_norm;
+  /// [n_rot/2] divisors of the RoPE frequencies (`rope_freqs.weight`, Llama-3.1 scaling): pair i
+  /// turns by pos * base^(-2i/n_rot) / rope_freqs[i]. Empty: no scaling.
+  std::vector<float> rope_freqs;
   std::vector<LlamaLayer> layers;
   Tokenizer tokenizer;
   std::string name;

@@ -115,9 +115,13 @@ CudaForward::CudaForward(std::shared_ptr<const DeviceWeights> weights, const Eng
   check(cudaMallocHost(reinterpret_cast<void**>(&tokens_pinned_), size_t(cfg.max_rows) * 4), "pinned tokens");
   check(cudaEventCreateWithFlags(&tokens_copied_, cudaEventDisableTiming), "event");
   check(cudaMemset(status_, 0, 4), "init");
-  {  // RoPE frequencies base^(-2i/n_rot), as the CPU engine computes them.
+  {  // RoPE frequencies base^(-2i/n_rot) / rope_freqs[i] (Llama-3.1 scaling), as the CPU engine computes them.
     std::vector<double> f(std::max(1, hp_.n_rot / 2), 0.0);
-    for (int i = 0; i < hp_.n_rot / 2; ++i) f[i] = std::pow(double(hp_.rope_freq_base), -2.0 * i / hp_.n_rot);
+    if (!w_->rope_freqs.empty() && w_->rope_freqs.size() != size_t(hp_.n_rot / 2))
+      throw std::invalid_argument("CUDA engine: rope_freqs has the wrong length");
+    for (int i = 0; i < hp_.n_rot / 2; ++i)
+      f[i] = std::pow(double(hp_.rope_freq_base), -2.0 * i / hp_.n_rot) /
+             (w_->rope_freqs.empty() ? 1.0 : double(w_->rope_freqs[i]));
     check(cudaMemcpy(inv_freq_, f.data(), f.size() * 8, cudaMemcpyHostToDevice), "RoPE frequencies");
   }
 
@@ -327,9 +331,24 @@ void CudaForward::rmsnorm(int il, NormWeight which) {
 }
 
 void CudaForward::qkv(int il) {
-  // Q and K|V as two products into their own buffers: the attention kernels read q rows unstrided.
+  // Q and K|V into their own buffers (the attention kernels read q rows unstrided), one launch at batch 1.
   const int E = hp_.n_embd, nq = hp_.n_head * hp_.head_dim, nkv = 2 * hp_.n_head_kv * hp_.head_dim;
   gemm(xn_, w_->layers[il].w_qkv, q_, rows_, nq + nkv, E, false, kv_, nq);
+  if (hp_.attn_bias) {  // qwen2: q += bq, k|v += bk|bv (the bias rows follow the fused weight rows)
+    const float* b = w_->layers[il].b_qkv;
+    AddBiasParams bq;
+    bq.y = q_;
+    bq.b = b;
+    bq.n_rows = rows_;
+    bq.n = nq;
+    check(add_bias_rows(bq, stream_), "Q bias");
+    AddBiasParams bkv;
+    bkv.y = kv_;
+    bkv.b = b + nq;
+    bkv.n_rows = rows_;
+    bkv.n = nkv;
+    check(add_bias_rows(bkv, stream_), "K/V bias");
+  }
   debug("Q", q_, size_t(rows_) * nq, true);
   debug("K|V", kv_, size_t(rows_) * nkv, true);
 }
@@ -338,6 +357,25 @@ void CudaForward::rope_append(int il) {
   const PagedKvView kv = cache_->view(il);
   const int NKV = hp_.n_head_kv, HD = hp_.head_dim;
   if (on(kPartOther)) {
+    if (hp_.attn_qk_norm) {  // qwen3: each head of q and of k RMSNormed over head_dim before RoPE
+      RmsNormParams nq;
+      nq.x = q_;
+      nq.weight = w_->layers[il].q_norm;
+      nq.n_rows = rows_ * hp_.n_head;
+      nq.n = HD;
+      nq.eps = hp_.rms_eps;
+      nq.out = q_;
+      nq.out_f32 = true;
+      check(rmsnorm_rows(nq, stream_), "Q norm");
+      RmsNormParams nk = nq;  // the K half of each K|V row: NKV heads, rows 2 NKV head_dim apart
+      nk.x = kv_;
+      nk.weight = w_->layers[il].k_norm;
+      nk.n_rows = rows_ * NKV;
+      nk.out = kv_;
+      nk.group = NKV;
+      nk.group_stride = 2 * NKV * HD;
+      check(rmsnorm_rows(nk, stream_), "K norm");
+    }
     RopeParams r;
     r.q = q_;
     r.n_head_q = hp_.n_head;
@@ -347,7 +385,7 @@ void CudaForward::rope_append(int il) {
     r.n_rows = rows_;
     r.head_dim = HD;
     r.n_rot = hp_.n_rot;
-    r.mode = RopeMode::kNormal;
+    r.mode = hp_.rope_style == RopeStyle::kNeox ? RopeMode::kNeox : RopeMode::kNormal;
     r.positions = cache_->row_pos();
     r.inv_freq = inv_freq_;
     check(rope_rows(r, stream_), "RoPE");

@@ -27,7 +27,7 @@ const char* type_name(WeightType t) { return t == WeightType::kF32 ? "float32" :
 // Byte offsets of every tensor inside the one allocation, in upload order.
 struct Layout {
   struct LayerOff {
-    size_t qkv, o, gate_up, down, attn_norm, ffn_norm;
+    size_t qkv, o, gate_up, down, attn_norm, ffn_norm, b_qkv, q_norm, k_norm;
   };
   size_t tok_embd = 0, output = 0, output_norm = 0, total = 0;
   std::vector<LayerOff> layers;
@@ -51,6 +51,9 @@ struct Layout {
       l.down = take(E * F * el);
       l.attn_norm = take(E * 4);
       l.ffn_norm = take(E * 4);
+      l.b_qkv = hp.attn_bias ? take(qkv_rows * 4) : 0;
+      l.q_norm = hp.attn_qk_norm ? take(HD * 4) : 0;
+      l.k_norm = hp.attn_qk_norm ? take(HD * 4) : 0;
       layers.push_back(l);
     }
   }
@@ -84,6 +87,11 @@ void allocate(DeviceWeights& w, void*& storage, const Layout& lay, const std::st
     d.w_down = base + l.down;
     d.attn_norm = reinterpret_cast<const float*>(base + l.attn_norm);
     d.ffn_norm = reinterpret_cast<const float*>(base + l.ffn_norm);
+    if (w.hp.attn_bias) d.b_qkv = reinterpret_cast<const float*>(base + l.b_qkv);
+    if (w.hp.attn_qk_norm) {
+      d.q_norm = reinterpret_cast<const float*>(base + l.q_norm);
+      d.k_norm = reinterpret_cast<const float*>(base + l.k_norm);
+    }
     w.layers.push_back(d);
   }
 }
@@ -130,6 +138,7 @@ DeviceWeights DeviceWeights::upload(const LlamaModel& m, WeightType type) {
   DeviceWeights w;
   w.hp = hp;
   w.type = type;
+  w.rope_freqs = m.rope_freqs;
   allocate(w, w.storage_, lay, fmt::format("model '{}'", m.name));
   Uploader up(type);
   const size_t E = hp.n_embd;
@@ -149,6 +158,15 @@ DeviceWeights DeviceWeights::upload(const LlamaModel& m, WeightType type) {
     up.matrix(d.w_down, 0, L.w_down.data);
     up.f32(d.attn_norm, L.attn_norm.data(), E);
     up.f32(d.ffn_norm, L.ffn_norm.data(), E);
+    if (hp.attn_bias) {  // bq | bk | bv, as the fused rows
+      up.f32(d.b_qkv, L.bq.data(), L.bq.size());
+      up.f32(d.b_qkv + L.bq.size(), L.bk.data(), L.bk.size());
+      up.f32(d.b_qkv + L.bq.size() + L.bk.size(), L.bv.data(), L.bv.size());
+    }
+    if (hp.attn_qk_norm) {
+      up.f32(d.q_norm, L.attn_q_norm.data(), L.attn_q_norm.size());
+      up.f32(d.k_norm, L.attn_k_norm.data(), L.attn_k_norm.size());
+    }
   }
   return w;
 }
@@ -175,6 +193,11 @@ DeviceWeights DeviceWeights::random(const LlamaHparams& hp, uint64_t seed, bool 
     fill(d.w_down, E * F, F);
     ones(d.attn_norm, E);
     ones(d.ffn_norm, E);
+    if (d.b_qkv)
+      check(fill_f32(const_cast<float*>(d.b_qkv), (size_t(hp.n_head) + 2 * size_t(hp.n_head_kv)) * HD, 0.0f, nullptr),
+            "biases");
+    if (d.q_norm) ones(d.q_norm, HD);
+    if (d.k_norm) ones(d.k_norm, HD);
   }
   check(cudaGetLastError(), "random weights");
   check(cudaDeviceSynchronize(), "random weights");
@@ -187,6 +210,7 @@ DeviceWeights& DeviceWeights::operator=(DeviceWeights&& o) noexcept {
     if (storage_) cudaFree(storage_);
     hp = o.hp;
     type = o.type;
+    rope_freqs = std::move(o.rope_freqs);
     tok_embd = o.tok_embd;
     output = o.output;
     output_norm = o.output_norm;

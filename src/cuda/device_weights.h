@@ -20,6 +20,9 @@ struct DeviceLayer {
   const void* w_down = nullptr;      // [n_embd][n_ff]
   const float* attn_norm = nullptr;  // [n_embd]
   const float* ffn_norm = nullptr;   // [n_embd]
+  const float* b_qkv = nullptr;      // [(n_head + 2 n_head_kv) head_dim]: bq, bk, bv (hp.attn_bias; else null)
+  const float* q_norm = nullptr;     // [head_dim] (hp.attn_qk_norm; else null)
+  const float* k_norm = nullptr;     // [head_dim] (hp.attn_qk_norm; else null)
 };
 
 /// Owns one device allocation holding every tensor.
@@ -45,6 +48,7 @@ class DeviceWeights {
   const void* tok_embd = nullptr;      // [n_vocab][n_embd]
   const void* output = nullptr;        // [n_vocab][n_embd] (tok_embd when tied)
   const float* output_norm = nullptr;  // [n_embd]
+  std::vector<float> rope_freqs;       // host copy of LlamaModel::rope_freqs (empty: none)
   std::vector<DeviceLayer> layers;
   size_t bytes = 0;  // device memory held
 

@@ -76,7 +76,9 @@ __global__ void __launch_bounds__(kRowThreads) rmsnorm_kernel(RmsNormParams p) {
   __shared__ double warp_ss[kRowThreads / 32];
   __shared__ float inv_s;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const float* xr = p.x + size_t(blockIdx.x) * p.n;
+  // Start of this row in x and out (group_stride already defaulted by the launcher).
+  const size_t row0 = size_t(blockIdx.x / p.group) * size_t(p.group_stride) + size_t(blockIdx.x % p.group) * p.n;
+  const float* xr = p.x + row0;
   const int n_vec = p.n / VEC;
   double ss = 0.0;
   for (int c = threadIdx.x; c < n_vec; c += kRowThreads) {
@@ -109,16 +111,15 @@ __global__ void __launch_bounds__(kRowThreads) rmsnorm_kernel(RmsNormParams p) {
       const float4 o = make_float4(__fmul_rn(__fmul_rn(v.x, inv), w.x), __fmul_rn(__fmul_rn(v.y, inv), w.y),
                                    __fmul_rn(__fmul_rn(v.z, inv), w.z), __fmul_rn(__fmul_rn(v.w, inv), w.w));
       if constexpr (F32)
-        reinterpret_cast<float4*>(p.out)[size_t(blockIdx.x) * n_vec + c] = o;
+        reinterpret_cast<float4*>(p.out)[row0 / 4 + c] = o;
       else
-        reinterpret_cast<uint2*>(p.out)[size_t(blockIdx.x) * n_vec + c] =
-            make_uint2(pack_bf16(o.x, o.y), pack_bf16(o.z, o.w));
+        reinterpret_cast<uint2*>(p.out)[row0 / 4 + c] = make_uint2(pack_bf16(o.x, o.y), pack_bf16(o.z, o.w));
     } else {
       const float o = __fmul_rn(__fmul_rn(xr[c], inv), p.weight[c]);
       if constexpr (F32)
-        static_cast<float*>(p.out)[size_t(blockIdx.x) * p.n + c] = o;
+        static_cast<float*>(p.out)[row0 + c] = o;
       else
-        static_cast<uint16_t*>(p.out)[size_t(blockIdx.x) * p.n + c] = bf16_bits(o);
+        static_cast<uint16_t*>(p.out)[row0 + c] = bf16_bits(o);
     }
   }
 }
@@ -666,11 +667,15 @@ cudaError_t embed_rows(const EmbedParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-cudaError_t rmsnorm_rows(const RmsNormParams& p, cudaStream_t stream) {
-  if (p.n_rows < 0 || p.n <= 0 || !(p.eps >= 0.0f)) return cudaErrorInvalidValue;
+cudaError_t rmsnorm_rows(const RmsNormParams& p_in, cudaStream_t stream) {
+  RmsNormParams p = p_in;
+  if (p.n_rows < 0 || p.n <= 0 || !(p.eps >= 0.0f) || p.group < 1 || p.group_stride < 0) return cudaErrorInvalidValue;
+  if (p.group_stride == 0) p.group_stride = p.group * p.n;
+  if ((long long)p.group_stride < (long long)p.group * p.n) return cudaErrorInvalidValue;
   if (p.n_rows == 0) return cudaSuccess;
   if (!p.x || !p.weight || !p.out) return cudaErrorInvalidValue;
-  const bool vec = p.n % 4 == 0 && aligned(p.x, 16) && aligned(p.weight, 16) && aligned(p.out, p.out_f32 ? 16 : 8);
+  const bool vec = p.n % 4 == 0 && p.group_stride % 4 == 0 && aligned(p.x, 16) && aligned(p.weight, 16) &&
+                   aligned(p.out, p.out_f32 ? 16 : 8);
   const dim3 grid(unsigned(p.n_rows));
   if (vec && p.out_f32)
     return launch_pdl(rmsnorm_kernel<4, true>, grid, kRowThreads, stream, p);

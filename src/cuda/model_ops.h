@@ -69,16 +69,21 @@ cudaError_t embed_rows(const EmbedParams& p, cudaStream_t stream);
 /// the sum of squares ss_r and the square root in float64, the two products in float32: the CPU's
 /// rmsnorm operation for operation (only the order of the float64 sum differs), then rounded to bf16
 /// (or stored as float32 with out_f32, e.g. for the final norm).
-/// Launch contract: one CTA of 256 threads per row (grid n_rows); 16-byte loads where n % 4 == 0 and
-/// x, weight and out are aligned for them.
+/// Rows may come in groups (Qwen3's per-head q/k norm: a row per (token, head), the heads of a token
+/// back to back, tokens group_stride elements apart, e.g. the K half of a K|V row): row r starts at
+/// (r / group) * group_stride + (r % group) * n in x and in out.
+/// Launch contract: one CTA of 256 threads per row (grid n_rows); 16-byte loads where n % 4 == 0,
+/// group_stride % 4 == 0 and x, weight and out are aligned for them.
 struct RmsNormParams {
-  const float* x = nullptr;       // [n_rows][n]
+  const float* x = nullptr;       // [n_rows / group][group_stride], row r as above
   const float* weight = nullptr;  // [n]
   int n_rows = 0;
   int n = 0;
   float eps = 1e-5f;    // >= 0
-  void* out = nullptr;  // out [n_rows][n] bf16, or float32 with out_f32 (may alias x then)
+  void* out = nullptr;  // out, laid out as x: bf16, or float32 with out_f32 (may alias x then)
   bool out_f32 = false;
+  int group = 1;         // rows per group, >= 1
+  int group_stride = 0;  // elements between groups, >= group * n; 0: group * n (every row back to back)
 };
 cudaError_t rmsnorm_rows(const RmsNormParams& p, cudaStream_t stream);
 

@@ -55,17 +55,21 @@ void rmsnorm(const float* x, const float* w, int T, int n, float eps, float* out
   }
 }
 
-// RoPE "normal" (llama.cpp LLAMA): rotate interleaved pairs (2i, 2i+1) of the first n_rot dims of
-// each head by pos * base^(-2i/n_rot). v: [n_heads][head_dim] of one token.
-void rope(float* v, int n_heads, int head_dim, int n_rot, int32_t pos, const std::vector<double>& inv_freq) {
-  for (int i = 0; i < n_rot / 2; ++i) {
+// RoPE on v: [n_heads][head_dim] of one token: pair i of the first n_rot dims of each head turns by
+// pos * inv_freq[i]. kNormal pairs dims (2i, 2i+1) (llama.cpp LLAMA_ROPE_TYPE_NORM), kNeox pairs
+// (i, i + n_rot/2) (LLAMA_ROPE_TYPE_NEOX).
+void rope(float* v, int n_heads, int head_dim, int n_rot, RopeStyle style, int32_t pos,
+          const std::vector<double>& inv_freq) {
+  const int half = n_rot / 2;
+  for (int i = 0; i < half; ++i) {
     const double a = double(pos) * inv_freq[i];
     const float c = float(std::cos(a)), s = float(std::sin(a));
+    const int i0 = style == RopeStyle::kNeox ? i : 2 * i, i1 = style == RopeStyle::kNeox ? i + half : 2 * i + 1;
     for (int h = 0; h < n_heads; ++h) {
-      float* p = v + size_t(h) * head_dim + 2 * i;
-      const float x0 = p[0], x1 = p[1];
-      p[0] = x0 * c - x1 * s;
-      p[1] = x0 * s + x1 * c;
+      float* p = v + size_t(h) * head_dim;
+      const float x0 = p[i0], x1 = p[i1];
+      p[i0] = x0 * c - x1 * s;
+      p[i1] = x0 * s + x1 * c;
     }
   }
 }
@@ -76,7 +80,10 @@ CpuForward::CpuForward(const LlamaModel& model, const KvCacheConfig& cache_cfg, 
                        int budget_pages)
     : model_(model), cache_(cache_cfg), selector_(std::move(selector)), budget_pages_(budget_pages) {
   const auto& hp = model.hp;
-  for (int i = 0; i < hp.n_rot / 2; ++i) inv_freq_.push_back(std::pow(double(hp.rope_freq_base), -2.0 * i / hp.n_rot));
+  // base^(-2i/n_rot), divided by rope_freqs[i] where the model scales its RoPE (Llama-3.1).
+  for (int i = 0; i < hp.n_rot / 2; ++i)
+    inv_freq_.push_back(std::pow(double(hp.rope_freq_base), -2.0 * i / hp.n_rot) /
+                        (model.rope_freqs.empty() ? 1.0 : double(model.rope_freqs[i])));
   logits_.assign(hp.n_vocab, 0.0f);
 }
 
@@ -139,6 +146,15 @@ void CpuForward::qkv(int il) {
   matmul(xn_.data(), T, L.wq, q_.data());
   matmul(xn_.data(), T, L.wk, k_.data());
   matmul(xn_.data(), T, L.wv, v_.data());
+  if (model_.hp.attn_bias) {
+    auto add_bias = [T](std::vector<float>& y, const std::vector<float>& b) {
+      for (int t = 0; t < T; ++t)
+        for (size_t i = 0; i < b.size(); ++i) y[size_t(t) * b.size() + i] += b[i];
+    };
+    add_bias(q_, L.bq);
+    add_bias(k_, L.bk);
+    add_bias(v_, L.bv);
+  }
 }
 
 void CpuForward::rope_append(int il) {
@@ -146,8 +162,13 @@ void CpuForward::rope_append(int il) {
   const int NH = hp.n_head, NKV = hp.n_head_kv, HD = hp.head_dim;
   for (size_t t = 0; t < tokens_.size(); ++t) {
     const int32_t pos = pos0_ + int32_t(t);
-    rope(&q_[t * NH * HD], NH, HD, hp.n_rot, pos, inv_freq_);
-    rope(&k_[t * NKV * HD], NKV, HD, hp.n_rot, pos, inv_freq_);
+    if (hp.attn_qk_norm) {  // each head's q and k RMSNormed over head_dim before RoPE (qwen3)
+      const LlamaLayer& L = model_.layers[il];
+      locks::rmsnorm(&q_[t * NH * HD], L.attn_q_norm.data(), NH, HD, hp.rms_eps, &q_[t * NH * HD]);
+      locks::rmsnorm(&k_[t * NKV * HD], L.attn_k_norm.data(), NKV, HD, hp.rms_eps, &k_[t * NKV * HD]);
+    }
+    rope(&q_[t * NH * HD], NH, HD, hp.n_rot, hp.rope_style, pos, inv_freq_);
+    rope(&k_[t * NKV * HD], NKV, HD, hp.n_rot, hp.rope_style, pos, inv_freq_);
     try {
       cache_.write(il, seq_, pos, &k_[t * NKV * HD], &v_[t * NKV * HD]);  // append
     } catch (const std::invalid_argument& e) {                            // names the model, not only the cache

@@ -3,7 +3,10 @@
 // ends in std::runtime_error rather than a crash or a huge allocation.
 #include "locks/gguf.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <bit>
@@ -11,12 +14,12 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <limits>
 #include <stdexcept>
 #include <unordered_set>
 #include <utility>
 
+#include "gguf_dequant.h"
 #include "locks/quant.h"
 
 namespace locks {
@@ -24,6 +27,7 @@ namespace locks {
 namespace {
 
 using VType = GgufValue::Type;
+using gguf_detail::tensor_block;
 
 // Nested arrays are legal but nobody needs deep ones; the cap bounds recursion on hostile input.
 constexpr int kMaxArrayDepth = 8;
@@ -110,33 +114,6 @@ std::string type_desc(const GgufValue& v) {
   return std::string("ARRAY of ") + value_type_name(v.array_type);
 }
 
-// Block geometry of the tensor types we decode; false for anything else.
-bool tensor_block(uint32_t type, uint64_t& block_elems, uint64_t& block_bytes) {
-  switch (static_cast<GgmlType>(type)) {
-    case GgmlType::F32:
-      block_elems = 1;
-      block_bytes = 4;
-      return true;
-    case GgmlType::F16:
-      block_elems = 1;
-      block_bytes = 2;
-      return true;
-    case GgmlType::BF16:
-      block_elems = 1;
-      block_bytes = 2;
-      return true;
-    case GgmlType::Q8_0:
-      block_elems = 32;
-      block_bytes = 34;
-      return true;
-    case GgmlType::Q4_0:
-      block_elems = 32;
-      block_bytes = 18;
-      return true;
-  }
-  return false;
-}
-
 uint16_t load_u16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
 uint32_t load_u32(const uint8_t* p) {
   return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) | (static_cast<uint32_t>(p[2]) << 16) |
@@ -150,7 +127,7 @@ uint64_t load_u64(const uint8_t* p) {
 // that truncation errors say where they happened.
 class Reader {
  public:
-  Reader(const std::vector<uint8_t>& bytes, const std::string& file) : b_(bytes), file_(file) {}
+  Reader(std::span<const uint8_t> bytes, const std::string& file) : b_(bytes), file_(file) {}
 
   [[noreturn]] void fail(const std::string& what) const {
     throw std::runtime_error("GGUF '" + file_ + "': " + (ctx_.empty() ? "" : ctx_ + ": ") + what);
@@ -248,7 +225,7 @@ class Reader {
   }
 
  private:
-  const std::vector<uint8_t>& b_;
+  std::span<const uint8_t> b_;
   const std::string& file_;
   std::string ctx_;
   size_t pos_ = 0;
@@ -273,7 +250,7 @@ void tensor_size(uint32_t type, const std::vector<uint64_t>& ne, uint64_t& n_ele
   uint64_t be = 0, bb = 0;
   if (!tensor_block(type, be, bb)) {
     fail("unsupported tensor type " + std::to_string(type) + " (" + ggml_type_name(type) +
-         "); supported: F32, F16, BF16, Q8_0, Q4_0");
+         "); supported: F32, F16, BF16, Q8_0, Q4_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K");
   }
   if (ne.empty() || ne.size() > kMaxDims) {
     fail("n_dims " + std::to_string(ne.size()) + " out of range 1.." + std::to_string(kMaxDims));
@@ -327,34 +304,54 @@ std::string ggml_type_name(uint32_t type) {
       return "Q8_0";
     case GgmlType::BF16:
       return "BF16";
+    case GgmlType::Q2_K:
+      return "Q2_K";
+    case GgmlType::Q3_K:
+      return "Q3_K";
+    case GgmlType::Q4_K:
+      return "Q4_K";
+    case GgmlType::Q5_K:
+      return "Q5_K";
+    case GgmlType::Q6_K:
+      return "Q6_K";
   }
   return "type#" + std::to_string(type);
 }
 
 GgufFile GgufFile::open(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw std::runtime_error("GGUF '" + path + "': cannot open file (" + std::strerror(errno) + ")");
   struct stat st {};
-  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode))  // a device or pipe has no size (/dev/zero: "0 bytes")
-    throw std::runtime_error("GGUF '" + path + (S_ISDIR(st.st_mode) ? "': is a directory" : "': not a regular file"));
-  errno = 0;
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
-  if (!in)
-    throw std::runtime_error("GGUF '" + path + "': cannot open file" +
-                             (errno != 0 ? std::string(" (") + std::strerror(errno) + ")" : std::string()));
-  const std::streamoff size = in.tellg();
-  if (size < 0) throw std::runtime_error("GGUF '" + path + "': cannot determine file size");
-  std::vector<uint8_t> bytes(static_cast<size_t>(size));
-  in.seekg(0);
-  if (size > 0 && !in.read(reinterpret_cast<char*>(bytes.data()), size)) {
-    throw std::runtime_error("GGUF '" + path + "': read error");
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {  // a device or pipe has no size (/dev/zero: "0 bytes")
+    const bool dir = S_ISDIR(st.st_mode);
+    ::close(fd);
+    throw std::runtime_error("GGUF '" + path + (dir ? "': is a directory" : "': not a regular file"));
   }
-  return from_bytes(std::move(bytes), path);
+  const size_t size = static_cast<size_t>(st.st_size);
+  if (size == 0) {  // mmap refuses length 0; the parser names the empty file
+    ::close(fd);
+    return from_bytes({}, path);
+  }
+  // Read-only private mapping: the weights are paged in as dequantization reads them, and no copy of
+  // the file is made (the mapping stays valid after the descriptor is closed).
+  void* p = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  const int map_errno = errno;
+  ::close(fd);
+  if (p == MAP_FAILED)
+    throw std::runtime_error("GGUF '" + path + "': cannot map the file (" + std::strerror(map_errno) + ")");
+  std::shared_ptr<const void> owner(p, [size](const void* q) { ::munmap(const_cast<void*>(q), size); });
+  return parse(std::move(owner), {static_cast<const uint8_t*>(p), size}, path);
 }
 
 GgufFile GgufFile::from_bytes(std::vector<uint8_t> bytes, std::string name) {
+  auto owned = std::make_shared<const std::vector<uint8_t>>(std::move(bytes));
+  const std::span<const uint8_t> image(owned->data(), owned->size());
+  return parse(std::move(owned), image, std::move(name));
+}
+
+GgufFile GgufFile::parse(std::shared_ptr<const void> owner, std::span<const uint8_t> b, std::string name) {
   GgufFile f;
   f.name_ = std::move(name);
-  auto owned = std::make_shared<std::vector<uint8_t>>(std::move(bytes));
-  const std::vector<uint8_t>& b = *owned;
   Reader r(b, f.name_);
 
   // --- header ---
@@ -481,7 +478,8 @@ GgufFile GgufFile::from_bytes(std::vector<uint8_t> bytes, std::string name) {
              std::to_string(a.offset) + ", " + std::to_string(a.n_bytes) + " bytes)");
     }
   }
-  f.bytes_ = std::move(owned);
+  f.owner_ = std::move(owner);
+  f.image_ = b;
   return f;
 }
 
@@ -623,43 +621,17 @@ std::vector<float> GgufFile::dequantize(const GgufTensorInfo& t) const {
   // lie inside this file's image.
   uint64_t n_elements = 0, n_bytes = 0;
   tensor_size(t.type, t.ne, n_elements, n_bytes, fail);
-  const uint8_t* lo = bytes_ ? bytes_->data() : nullptr;
-  const uint64_t size = bytes_ ? bytes_->size() : 0;
+  const uint8_t* lo = image_.data();
+  const uint64_t size = image_.size();
   const auto p = reinterpret_cast<uintptr_t>(t.data), base = reinterpret_cast<uintptr_t>(lo);
   if (!t.data || !lo || p < base || p - base > size || n_bytes > size - (p - base)) {
     fail("data pointer does not lie inside this file's image");
   }
 
+  uint64_t block_elems = 0, block_bytes = 0;
+  tensor_block(t.type, block_elems, block_bytes);
   std::vector<float> out(static_cast<size_t>(n_elements));
-  const uint8_t* src = t.data;
-  float* dst = out.data();
-  switch (static_cast<GgmlType>(t.type)) {
-    case GgmlType::F32:
-      for (uint64_t i = 0; i < n_elements; ++i) dst[i] = std::bit_cast<float>(load_u32(src + 4 * i));
-      break;
-    case GgmlType::F16:
-      for (uint64_t i = 0; i < n_elements; ++i) dst[i] = f16_to_f32(load_u16(src + 2 * i));
-      break;
-    case GgmlType::BF16:
-      for (uint64_t i = 0; i < n_elements; ++i) dst[i] = bf16_to_f32(load_u16(src + 2 * i));
-      break;
-    case GgmlType::Q8_0:
-      for (uint64_t blk = 0; blk < n_elements / 32; ++blk, src += 34, dst += 32) {
-        const float d = f16_to_f32(load_u16(src));
-        for (int j = 0; j < 32; ++j) dst[j] = static_cast<float>(static_cast<int8_t>(src[2 + j])) * d;
-      }
-      break;
-    case GgmlType::Q4_0:
-      // Low nibbles hold elements 0-15 of the block, high nibbles 16-31; stored offset by 8.
-      for (uint64_t blk = 0; blk < n_elements / 32; ++blk, src += 18, dst += 32) {
-        const float d = f16_to_f32(load_u16(src));
-        for (int j = 0; j < 16; ++j) {
-          dst[j] = static_cast<float>((src[2 + j] & 0x0f) - 8) * d;
-          dst[j + 16] = static_cast<float>((src[2 + j] >> 4) - 8) * d;
-        }
-      }
-      break;
-  }
+  gguf_detail::dequantize_blocks(t.type, t.data, n_elements / block_elems, out.data());
   return out;
 }
 

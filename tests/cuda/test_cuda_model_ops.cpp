@@ -344,6 +344,51 @@ TEST(CudaModelOps, RmsNormInPlaceAndUnaligned) {
 }
 
 // ------------------------------------------------------------------------------------------------
+// Grouped rows (Qwen3's per-head q/k norm): the K half of K|V rows, one norm per (token, head), in
+// place; the V half and the gaps untouched. Float64 reference per head.
+
+TEST(CudaModelOps, RmsNormGroupedHeadsInPlace) {
+  SKIP_WITHOUT_CUDA();
+  std::mt19937_64 rng(5);
+  std::normal_distribution<float> N(0.0f, 1.0f);
+  for (int hd : {64, 30}) {  // vector and scalar paths
+    const int T = 5, NKV = 3, stride = 2 * NKV * hd;
+    std::vector<float> kv(size_t(T) * stride), w(hd);
+    for (auto& v : kv) v = N(rng) * 3.0f;
+    for (auto& v : w) v = 1.0f + 0.3f * N(rng);
+    Dev<float> dkv(kv), dw(w);
+    lc::RmsNormParams p;
+    p.x = dkv.p, p.weight = dw.p, p.n_rows = T * NKV, p.n = hd, p.eps = 1e-6f, p.out = dkv.p, p.out_f32 = true;
+    p.group = NKV, p.group_stride = stride;
+    ck(lc::rmsnorm_rows(p, nullptr), "rmsnorm_rows grouped");
+    dev_sync();
+    const auto got = dkv.down();
+    for (int t = 0; t < T; ++t)
+      for (int h = 0; h < 2 * NKV; ++h) {
+        const float* x = &kv[size_t(t) * stride + size_t(h) * hd];
+        double ss = 0.0;
+        for (int i = 0; i < hd; ++i) ss += double(x[i]) * x[i];
+        const double inv = 1.0 / std::sqrt(ss / hd + 1e-6);
+        for (int i = 0; i < hd; ++i) {
+          const size_t at = size_t(t) * stride + size_t(h) * hd + i;
+          if (h >= NKV)
+            ASSERT_EQ(got[at], kv[at]) << "V element changed: t " << t << " h " << h;
+          else
+            ASSERT_NEAR(got[at], double(x[i]) * inv * w[i], 1e-6 * std::abs(double(x[i]) * inv * w[i]) + 1e-30)
+                << "hd " << hd << " t " << t << " h " << h << " i " << i;
+        }
+      }
+  }
+  lc::RmsNormParams bad;
+  bad.x = bad.weight = reinterpret_cast<const float*>(16);
+  bad.out = reinterpret_cast<void*>(16);
+  bad.n_rows = 4, bad.n = 8, bad.group = 2, bad.group_stride = 15;  // below group * n
+  EXPECT_EQ(lc::rmsnorm_rows(bad, nullptr), cudaErrorInvalidValue);
+  bad.group_stride = 0, bad.group = 0;
+  EXPECT_EQ(lc::rmsnorm_rows(bad, nullptr), cudaErrorInvalidValue);
+}
+
+// ------------------------------------------------------------------------------------------------
 // RoPE: float64 reference (float64 angle and sin/cos, float64 rotation); tolerance 1e-6 of the pair's
 // norm at every position, including 1,000,000, 50,000,000 and 2^26 - 1 (a float32 angle would be off
 // by radians there); dims >= n_rot and the bytes between the strided heads bit-identical.
