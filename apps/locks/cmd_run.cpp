@@ -46,6 +46,7 @@ struct RunArgs {
   std::string device = "cpu";
   std::string gpu_weights = "auto";
   bool json = false;
+  int top_logprobs = 0;
   bool prompt_given = false;  // -p was passed (an empty prompt then means BOS only)
   bool rank_given = false, basis_bits_given = false, group_rule_given = false;
   bool budget_given = false, top_p_given = false, seed_given = false;
@@ -137,6 +138,7 @@ int run(const RunArgs& a) {
   go.max_tokens = a.max_tokens;
   go.decode_tail = a.decode_tail >= 0 ? a.decode_tail : (default_prompt ? kDefaultDecodeTail : 0);
   go.sampler = {a.temperature, a.top_p, a.seed};
+  go.top_logprobs = a.top_logprobs;
   auto stream = [&](int32_t id) {
     if (!a.json) {
       std::fputs(model.tokenizer.token_to_piece(id).c_str(), stdout);
@@ -159,6 +161,13 @@ int run(const RunArgs& a) {
     j["selector"] = a.selector;
     j["device"] = a.device;
     j["budget_tokens"] = reads_budget ? nlohmann::json(a.budget) : nlohmann::json();  // full: every page
+    if (a.top_logprobs > 0) {
+      auto& lists = j["top_logprobs"] = nlohmann::json::array();
+      for (const auto& at : r.top_logprobs) {
+        auto& list = lists.emplace_back(nlohmann::json::array());
+        for (const TokenLogprob& t : at) list.push_back({{"id", t.id}, {"logprob", t.logprob}});
+      }
+    }
     j["stats"] = {{"prefill_s", r.prefill_seconds},      {"prefill_tokens", r.prefill_tokens},
                   {"prefill_tokens_per_s", prefill_tps}, {"decode_steps", r.decode.steps},
                   {"decode_tokens_per_s", decode_tps},   {"bytes_read_per_step", bytes_step},
@@ -266,7 +275,13 @@ Runner add_run(CLI::App& app) {
           ->check(CLI::IsMember({"auto", "bf16", "f32"}))
           ->capture_default_str();
   app.add_flag("--json", a->json, "print one JSON object instead of streamed text and a stats line");
-  return [a, prompt_opt, rank_opt, basis_opt, rule_opt, budget_opt, top_p_opt, seed_opt, weights_opt] {
+  CLI::Option* logprobs_opt =
+      app.add_option("--top-logprobs", a->top_logprobs,
+                     "with --json: the N most likely tokens at each generated position, {id, logprob} (natural "
+                     "log, temperature 1), most likely first")
+          ->transform(decimal_integer())
+          ->check(CLI::Range(1, 1000));
+  return [a, logprobs_opt, prompt_opt, rank_opt, basis_opt, rule_opt, budget_opt, top_p_opt, seed_opt, weights_opt] {
     a->prompt_given = prompt_opt->count() > 0;
     a->budget_given = budget_opt->count() > 0;
     a->top_p_given = top_p_opt->count() > 0;
@@ -274,6 +289,7 @@ Runner add_run(CLI::App& app) {
     a->rank_given = rank_opt->count() > 0;
     a->basis_bits_given = basis_opt->count() > 0;
     a->group_rule_given = rule_opt->count() > 0;
+    if (logprobs_opt->count() > 0 && !a->json) throw CLI::ValidationError("--top-logprobs", "applies with --json");
     if (!std::isfinite(a->temperature)) throw CLI::ValidationError("--temperature", "must be a finite number");
     if (!(a->top_p > 0.0f && a->top_p <= 1.0f)) throw CLI::ValidationError("--top-p", "must be in (0, 1]");
     if (a->budget % 16 != 0)

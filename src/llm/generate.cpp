@@ -4,6 +4,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <limits>
+#include <numeric>
 #include <span>
 #include <stdexcept>
 
@@ -12,6 +15,27 @@ namespace locks {
 namespace {
 std::string tokens(int64_t n) { return fmt::format("{} token{}", n, n == 1 ? "" : "s"); }
 }  // namespace
+
+std::vector<TokenLogprob> top_logprobs(const std::vector<float>& logits, int n) {
+  if (logits.empty() || n <= 0) return {};
+  double m = -std::numeric_limits<double>::infinity();
+  for (float x : logits) {
+    if (std::isnan(x)) throw std::invalid_argument("top logprobs: the logits hold NaN");
+    m = std::max(m, double(x));
+  }
+  double sum = 0;
+  for (float x : logits) sum += std::exp(double(x) - m);
+  const double log_z = m + std::log(sum);
+  std::vector<int32_t> ids(logits.size());
+  std::iota(ids.begin(), ids.end(), 0);
+  const size_t k = std::min(ids.size(), size_t(n));
+  std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), [&](int32_t a, int32_t b) {
+    return logits[size_t(a)] != logits[size_t(b)] ? logits[size_t(a)] > logits[size_t(b)] : a < b;
+  });
+  std::vector<TokenLogprob> out(k);
+  for (size_t i = 0; i < k; ++i) out[i] = {ids[i], double(logits[size_t(ids[i])]) - log_z};
+  return out;
+}
 
 GenerateResult generate(Session& session, const std::vector<int32_t>& prompt_ids, const GenerateOptions& opts,
                         const std::function<void(int32_t)>& on_token) {
@@ -24,6 +48,7 @@ GenerateResult generate(Session& session, const std::vector<int32_t>& prompt_ids
     throw std::invalid_argument(fmt::format("decode tail {} must be in [0, {}) for a prompt of {}", opts.decode_tail,
                                             n_prompt, tokens(n_prompt)));
   if (opts.max_tokens < 0) throw std::invalid_argument("max tokens must be >= 0");
+  if (opts.top_logprobs < 0) throw std::invalid_argument("top logprobs must be >= 0");
   // The last generated token is sampled, never decoded: the cache holds n_prompt + max_tokens - 1.
   const int64_t positions = int64_t(n_prompt) + std::max(opts.max_tokens - 1, 0);
   if (positions > session.n_ctx())
@@ -43,6 +68,7 @@ GenerateResult generate(Session& session, const std::vector<int32_t>& prompt_ids
   Sampler sampler(opts.sampler);
   const int32_t eos = session.model().tokenizer.eos();
   for (int i = 0; i < opts.max_tokens; ++i) {
+    if (opts.top_logprobs > 0) res.top_logprobs.push_back(top_logprobs(*logits, opts.top_logprobs));
     const int32_t id = sampler.sample(*logits);
     if (opts.stop_at_eos && id == eos) break;
     res.generated_ids.push_back(id);
