@@ -46,6 +46,13 @@ SessionConfig gpu_config(const std::string& selector, CudaSessionOptions::Weight
   return sc;
 }
 
+// The default run's prompt (examples/needle-8k.txt, 8.5K tokens) as the model tokenizes it.
+std::vector<int32_t> default_prompt_ids(const LlamaModel& model) {
+  std::ifstream f(test::source_path("examples/needle-8k.txt"));
+  const std::string text((std::istreambuf_iterator<char>(f)), {});
+  return model.tokenizer.encode(text, model.tokenizer.add_bos());
+}
+
 std::vector<int32_t> greedy(Session& s, const std::vector<int32_t>& prompt, int n) {
   GenerateOptions go;
   go.max_tokens = n;
@@ -75,9 +82,7 @@ TEST(CudaEngine, Stories260KGreedyMatchesLlama2c) {
 TEST(CudaEngine, LocksRefMatchesTheCpuEngine) {
   SKIP_WITHOUT_CUDA();
   const LlamaModel model = LlamaModel::load(test::source_path("models/locks-ref-a-q8_0.gguf"));
-  std::ifstream f(test::source_path("examples/needle-8k.txt"));
-  const std::string text((std::istreambuf_iterator<char>(f)), {});
-  const std::vector<int32_t> ids = model.tokenizer.encode(text, model.tokenizer.add_bos());
+  const std::vector<int32_t> ids = default_prompt_ids(model);
   ASSERT_GT(ids.size(), 8000u);
   SessionConfig cpu_cfg;
   cpu_cfg.selector = "locks";
@@ -177,9 +182,7 @@ TEST(CudaEngine, GraphCapturedAt4KStaysCorrectAt64K) {
 TEST(CudaEngine, ForksDecodeAsSessionsThatRanTheSelectorFromTheStart) {
   SKIP_WITHOUT_CUDA();
   const LlamaModel model = LlamaModel::load(test::source_path("models/locks-ref-a-q8_0.gguf"));
-  std::ifstream f(test::source_path("examples/needle-8k.txt"));
-  const std::string text((std::istreambuf_iterator<char>(f)), {});
-  const std::vector<int32_t> ids = model.tokenizer.encode(text, model.tokenizer.add_bos());
+  const std::vector<int32_t> ids = default_prompt_ids(model);
   SessionConfig base_cfg = gpu_config("full", CudaSessionOptions::Weights::kF32);
   base_cfg.n_ctx = int(ids.size()) + 64;
   Session base(model, base_cfg);

@@ -43,26 +43,41 @@ std::vector<double> reference_log_mass(const World& w, const std::vector<float>&
   return out;
 }
 
+// One oracle step through a plan over `w` (the status word read back and cleared).
+struct OracleRun {
+  lc::DecodePlan plan;
+  Dev<uint8_t> ws;
+  Dev<float> q, o, lse;
+  uint32_t status = 0;
+  OracleRun(const World& w, int budget_pages, const std::vector<float>& queries, float scale)
+      : plan(lc::make_decode_plan(w.decode_shape(budget_pages))),
+        ws(plan.workspace_bytes),
+        q(queries),
+        o(queries.size()),
+        lse(size_t(w.B()) * w.H * w.G) {
+    ck(lc::init_decode_workspace(plan, ws.p, nullptr), "init workspace");
+    lc::DecodeStepParams sp;
+    sp.q = q.p;
+    sp.kv = w.view();
+    sp.n_pages_pool = w.cfg.n_pages;
+    sp.scale = scale;
+    sp.o = o.p;
+    sp.lse = lse.p;
+    sp.workspace = ws.p;
+    ck(lc::oracle_decode_step(plan, sp, nullptr), "oracle_decode_step");
+    dev_sync();
+    ck(lc::read_decode_status(plan, ws.p, &status, true, nullptr), "status");
+  }
+};
+
 void check_oracle(World& w, int budget_pages, const char* what) {
   const auto q = w.queries(5);
   const float scale = 1.0f / std::sqrt(float(w.d));
-  const lc::DecodePlan plan = lc::make_decode_plan(w.decode_shape(budget_pages));
-  Dev<uint8_t> ws(plan.workspace_bytes);
-  ck(lc::init_decode_workspace(plan, ws.p, nullptr), "init workspace");
-  Dev<float> dq(q), d_o(q.size()), dl(size_t(w.B()) * w.H * w.G);
-  lc::DecodeStepParams sp;
-  sp.q = dq.p;
-  sp.kv = w.view();
-  sp.n_pages_pool = w.cfg.n_pages;
-  sp.scale = scale;
-  sp.o = d_o.p;
-  sp.lse = dl.p;
-  sp.workspace = ws.p;
-  ck(lc::oracle_decode_step(plan, sp, nullptr), "oracle_decode_step");
-  dev_sync();
-  uint32_t status = 0;
-  ck(lc::read_decode_status(plan, ws.p, &status, true, nullptr), "status");
-  EXPECT_EQ(status, 0u) << what;
+  OracleRun run(w, budget_pages, q, scale);
+  const lc::DecodePlan& plan = run.plan;
+  Dev<uint8_t>& ws = run.ws;
+  Dev<float>&d_o = run.o, &dl = run.lse;
+  EXPECT_EQ(run.status, 0u) << what;
   const int stride = plan.log_mass_stride;
   std::vector<float> glm(size_t(w.B()) * w.H * w.G * stride), glt(size_t(w.B()) * w.H * w.G);
   ck(cudaMemcpy(glm.data(), lc::plan_log_mass(plan, ws.p), glm.size() * 4, cudaMemcpyDeviceToHost), "lm");
@@ -128,24 +143,9 @@ TEST(CudaExactScores, BadPageIdGivesNaNAndStatus) {
   std::vector<int32_t> bad = w.indices;
   bad[w.indptr[1] + 2] = w.cfg.n_pages + 100;  // a page of sequence 1 outside the pool
   w.d_indices.up(bad);
-  const lc::DecodePlan plan = lc::make_decode_plan(w.decode_shape(8));
-  Dev<uint8_t> ws(plan.workspace_bytes);
-  ck(lc::init_decode_workspace(plan, ws.p, nullptr), "init workspace");
-  const auto q = w.queries(3);
-  Dev<float> dq(q), d_o(q.size());
-  lc::DecodeStepParams sp;
-  sp.q = dq.p;
-  sp.kv = w.view();
-  sp.n_pages_pool = w.cfg.n_pages;
-  sp.scale = 0.1f;
-  sp.o = d_o.p;
-  sp.workspace = ws.p;
-  ck(lc::oracle_decode_step(plan, sp, nullptr), "oracle step");
-  dev_sync();
-  uint32_t status = 0;
-  ck(lc::read_decode_status(plan, ws.p, &status, true, nullptr), "status");
-  EXPECT_TRUE(status & lc::kStatusBadPageId);
-  const auto o = d_o.down();
+  OracleRun run(w, 8, w.queries(3), 0.1f);
+  EXPECT_TRUE(run.status & lc::kStatusBadPageId);
+  const auto o = run.o.down();
   const size_t per_seq = size_t(w.H) * w.G * w.d;
   for (size_t i = 0; i < per_seq; ++i) ASSERT_TRUE(std::isfinite(o[i])) << "sequence 0 is unaffected";
   for (size_t i = per_seq; i < 2 * per_seq; ++i) ASSERT_TRUE(std::isnan(o[i])) << "sequence 1 gives NaN";
