@@ -238,8 +238,8 @@ std::string from_gguf_error(const MiniVocab& v) {
 
 TEST(TokenizerMini, ValidationErrors) {
   MiniVocab v = mini({"a"});
-  v.model = "gpt2";
-  EXPECT_THAT(from_gguf_error(v), HasSubstr("tokenizer.ggml.model is 'gpt2'"));
+  v.model = "bert";
+  EXPECT_THAT(from_gguf_error(v), HasSubstr("tokenizer.ggml.model is 'bert', not one this tokenizer reads"));
   v = mini({"a"});
   v.scores.pop_back();
   EXPECT_THAT(from_gguf_error(v), HasSubstr("tokenizer.ggml.scores has 259 entries, tokens has 260"));
