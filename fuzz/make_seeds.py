@@ -2,7 +2,8 @@
 """Writes the fuzz_gguf seed corpus (fuzz/corpus/, every file < 100 KB) from the reference models.
 
 Seeds: the first 64 KB of each real model (truncated: exercises the error paths deep inside the
-header), valid shrunken copies of both (real metadata and vocabulary, a few real tensors), and a
+header), valid shrunken copies of both (real metadata and vocabulary, a few real tensors), byte-level
+BPE vocabularies cut from the tiny Llama-3 and Qwen2 models in families/ (metadata only), a
 synthetic file with every metadata type, nested arrays, every tensor type and 64-byte alignment, and
 one with a block of each K-quant (Q2_K..Q6_K, patterned bytes, f16 scales 1.0).
 Usage: fuzz/make_seeds.py [shared_models_dir] [out_dir]
@@ -111,6 +112,43 @@ def shrink_tokens(kvs, keep):
     return res
 
 
+def read_strs(raw):
+    et, n = struct.unpack_from("<IQ", raw, 0)
+    p, out = 12, []
+    for _ in range(n):
+        (l,) = struct.unpack_from("<Q", raw, p)
+        out.append(raw[p + 8:p + 8 + l])
+        p += 8 + l
+    return out
+
+
+def bpe_seed(path, keep):
+    """A gpt2 vocabulary: the first `keep` tokens and the control tokens, the merges inside them."""
+    kvs, _, _ = parse(open(path, "rb").read())
+    d = {k: (t, raw) for k, t, raw in kvs}
+    toks = read_strs(d[b"tokenizer.ggml.tokens"][1])
+    types = list(struct.unpack_from("<%di" % len(toks), d[b"tokenizer.ggml.token_type"][1], 12))
+    ids = [i for i in range(len(toks)) if i < keep or types[i] != 1]
+    new = {toks[i]: j for j, i in enumerate(ids)}
+    merges = [m for m in read_strs(d[b"tokenizer.ggml.merges"][1])
+              if m.find(b" ", 1) > 0 and all(x in new for x in (m[:m.find(b" ", 1)], m[m.find(b" ", 1) + 1:],
+                                                                  m.replace(b" ", b"", 1)))]
+    res = []
+    for key, t, raw in kvs:
+        if key == b"tokenizer.ggml.tokens":
+            raw = struct.pack("<IQ", 8, len(ids)) + b"".join(gstr(toks[i]) for i in ids)
+        elif key == b"tokenizer.ggml.token_type":
+            raw = struct.pack("<IQ", 5, len(ids)) + b"".join(struct.pack("<i", types[i]) for i in ids)
+        elif key == b"tokenizer.ggml.merges":
+            raw = struct.pack("<IQ", 8, len(merges)) + b"".join(gstr(m) for m in merges)
+        elif key in (b"tokenizer.ggml.bos_token_id", b"tokenizer.ggml.eos_token_id"):
+            raw = struct.pack("<I", new[toks[struct.unpack("<I", raw)[0]]])
+        elif not key.startswith(b"tokenizer.") and key != b"general.architecture":
+            continue
+        res.append((key, t, raw))
+    return write(res, [])
+
+
 def main():
     os.makedirs(OUT, exist_ok=True)
     seeds = {}
@@ -129,6 +167,10 @@ def main():
                 kept.append((name, ne, t, data[off:off + size]))
                 budget -= size
         seeds[short + "-small.gguf"] = write(kvs, kept)
+
+    families = os.path.join(MODELS, "families")
+    seeds["llama3-bpe-vocab.gguf"] = bpe_seed(os.path.join(families, "tiny-llama3-Q4_K_M.gguf"), 600)
+    seeds["qwen2-bpe-vocab.gguf"] = bpe_seed(os.path.join(families, "tiny-qwen2-Q5_K_M.gguf"), 600)
 
     # Synthetic: every value type, nested arrays, every tensor type, alignment 64, version 2.
     kvs = [

@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <bit>
 #include <chrono>
 #include <fstream>
@@ -145,6 +146,18 @@ TEST(TokenizerLocksRef, UserDefinedAndWhitespace) {
   // The needle answer format: "▁" then one token per digit.
   const auto ids = tok.encode("is 0012345.", false);
   EXPECT_EQ(tok.decode(ids), "is 0012345.");
+  // Control tokens in the text: text unless parse_special; then the token, and the text on either
+  // side encoded as a prompt of its own (llama.cpp: a space prefix after every special token).
+  const auto plain = tok.encode("ab</s>cd", false);
+  EXPECT_EQ(std::count(plain.begin(), plain.end(), tok.eos()), 0);
+  std::vector<int32_t> want = tok.encode("ab", false);
+  want.push_back(tok.eos());
+  for (int32_t id : tok.encode("cd", false)) want.push_back(id);
+  EXPECT_EQ(tok.encode("ab</s>cd", false, true), want);
+  EXPECT_EQ(tok.token_id("</s>"), tok.eos());
+  EXPECT_EQ(tok.eot(), tok.eos());  // no end-of-turn token of its own
+  EXPECT_TRUE(tok.is_end_of_generation(tok.eos()));
+  EXPECT_EQ(tok.kind(), Tokenizer::Kind::kSentencePiece);
 }
 
 // ---- vocabularies written here: validation errors and the merge rules in isolation ----
@@ -238,8 +251,8 @@ std::string from_gguf_error(const MiniVocab& v) {
 
 TEST(TokenizerMini, ValidationErrors) {
   MiniVocab v = mini({"a"});
-  v.model = "gpt2";
-  EXPECT_THAT(from_gguf_error(v), HasSubstr("tokenizer.ggml.model is 'gpt2'"));
+  v.model = "bert";
+  EXPECT_THAT(from_gguf_error(v), HasSubstr("tokenizer.ggml.model is 'bert', not one this tokenizer reads"));
   v = mini({"a"});
   v.scores.pop_back();
   EXPECT_THAT(from_gguf_error(v), HasSubstr("tokenizer.ggml.scores has 259 entries, tokens has 260"));

@@ -31,6 +31,7 @@ using Runner = std::function<int()>;
 Runner add_run(CLI::App& app);
 Runner add_bench(CLI::App& app);
 Runner add_eval(CLI::App& app);
+Runner add_tokenize(CLI::App& app);
 
 /// Shared: the embedded default model path (models/locks-ref-a-q8_0.gguf, resolved).
 std::string default_model_path();

@@ -1,4 +1,4 @@
-// `locks`: run | eval | bench. Errors become one line on stderr and a non-zero exit code
+// `locks`: run | eval | bench | tokenize. Errors become one line on stderr and a non-zero exit code
 // (2 for bad command-line usage, 1 for failures while running).
 #include <fmt/format.h>
 
@@ -60,6 +60,8 @@ int locks_main(int argc, char** argv) {
   add("run", "generate text with a selector (default when no subcommand is given)", locks::cli::add_run);
   add("bench", "decode-attention and engine speed benchmarks", locks::cli::add_bench);
   add("eval", "needle-retrieval accuracy of selectors on real held-out text", locks::cli::add_eval);
+  add("tokenize", "a text's token ids under a model's vocabulary (as llama.cpp's llama-tokenize)",
+      locks::cli::add_tokenize);
   // `run` is the default subcommand: `locks -p TEXT ...` means `locks run -p TEXT ...`.
   std::vector<std::string> args(argv + 1, argv + argc);
   if (!args.empty() && args[0].size() > 1 && args[0][0] == '-' && args[0] != "-h" && args[0] != "--help" &&
@@ -91,7 +93,7 @@ int locks_main(int argc, char** argv) {
     }
   // An unknown subcommand is an error even with --help (which CLI11 would answer with the main help).
   if (!named && !args.empty() && !args[0].empty() && args[0][0] != '-') {
-    print_error("unknown subcommand '" + args[0] + "' (run, bench, eval)");
+    print_error("unknown subcommand '" + args[0] + "' (run, bench, eval, tokenize)");
     return 2;
   }
   std::reverse(args.begin(), args.end());  // CLI11 takes the vector form in reverse order

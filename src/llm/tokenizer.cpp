@@ -1,3 +1,5 @@
+// The Tokenizer: vocabulary loading for both kinds, special tokens cut out of the text, and the
+// SentencePiece encoding (byte-level BPE: bpe_tokenizer.cpp, pretokenize.cpp).
 // SentencePiece BPE encoding, reproduced from the GGUF vocabulary:
 //  1. normalize: with remove_extra_whitespaces drop leading/trailing spaces and collapse runs;
 //     prepend "▁" once (add_space_prefix); spaces -> "▁";
@@ -15,6 +17,7 @@
 #include <queue>
 #include <stdexcept>
 
+#include "bpe_tokenizer.h"
 #include "locks/gguf.h"
 
 namespace locks {
@@ -23,7 +26,9 @@ namespace {
 
 constexpr std::string_view kSpace = "\xE2\x96\x81";         // U+2581 "▁"
 constexpr std::string_view kUnkSurface = " \xE2\x81\x87 ";  // SentencePiece's rendering of <unk>
-enum TokenType : int32_t { kNormal = 1, kUnknown = 2, kControl = 3, kUserDefined = 4, kUnused = 5, kByte = 6 };
+using TokenType = Tokenizer::TokenType;
+constexpr TokenType kNormal = Tokenizer::kNormal, kUnknown = Tokenizer::kUnknown, kControl = Tokenizer::kControl,
+                    kUserDefined = Tokenizer::kUserDefined, kUnused = Tokenizer::kUnused, kByte = Tokenizer::kByte;
 
 // Length of the UTF-8 character starting at p (n bytes available); 1 for an invalid sequence so
 // that every stray byte becomes its own symbol and goes through byte fallback.
@@ -94,9 +99,12 @@ Tokenizer Tokenizer::from_gguf(const GgufFile& gguf) {
     throw std::runtime_error("tokenizer from GGUF '" + gguf.name() + "': " + what);
   };
   const std::string model = gguf.get_string("tokenizer.ggml.model");
-  if (model != "llama") fail("tokenizer.ggml.model is '" + model + "', only 'llama' (SentencePiece) is supported");
+  if (model != "llama" && model != "gpt2")
+    fail("tokenizer.ggml.model is " + gguf_quoted(model) +
+         ", not one this tokenizer reads ('llama': SentencePiece, 'gpt2': byte-level BPE)");
 
   Tokenizer t;
+  t.kind_ = model == "gpt2" ? Kind::kByteLevelBpe : Kind::kSentencePiece;
   t.pieces_ = gguf.get_string_array("tokenizer.ggml.tokens");
   const size_t n = t.pieces_.size();
   if (n == 0) fail("tokenizer.ggml.tokens is empty");
@@ -127,6 +135,11 @@ Tokenizer Tokenizer::from_gguf(const GgufFile& gguf) {
       fail(std::string(key) + " = " + std::to_string(id) + " is out of range (vocab " + std::to_string(n) + ")");
     return static_cast<int32_t>(id);
   };
+  if (t.kind_ == Kind::kByteLevelBpe) {
+    t.load_bpe(gguf);
+    t.finish_special_tokens(gguf);
+    return t;
+  }
   t.bos_ = special("tokenizer.ggml.bos_token_id", 1);
   t.eos_ = special("tokenizer.ggml.eos_token_id", 2);
   t.unk_ = special("tokenizer.ggml.unknown_token_id", 0);
@@ -176,7 +189,102 @@ Tokenizer Tokenizer::from_gguf(const GgufFile& gguf) {
   std::stable_sort(t.user_defined_.begin(), t.user_defined_.end(), [&](int32_t a, int32_t b) {
     return t.pieces_[static_cast<size_t>(a)].size() > t.pieces_[static_cast<size_t>(b)].size();
   });
+  t.text_to_id_.reserve(n);
+  for (size_t i = 0; i < n; ++i) t.text_to_id_[t.pieces_[i]] = static_cast<int32_t>(i);
+  t.finish_special_tokens(gguf);
   return t;
+}
+
+void Tokenizer::load_bpe(const GgufFile& gguf) {
+  const std::string where = "tokenizer from GGUF '" + gguf.name() + "': ";
+  auto fail = [&](const std::string& what) -> void { throw std::runtime_error(where + what); };
+  if (!gguf.has_key("tokenizer.ggml.pre"))
+    fail("tokenizer.ggml.pre is missing (a byte-level BPE vocabulary names its pre-tokenizer: 'llama-bpe', 'qwen2')");
+  pre_ = gguf.get_string("tokenizer.ggml.pre");
+  PreTokenizer pre = PreTokenizer::kLlama3;
+  try {
+    pre = pre_tokenizer_from_name(pre_);
+  } catch (const std::runtime_error& e) {
+    fail(e.what());
+  }
+  if (!gguf.has_key("tokenizer.ggml.merges")) fail("tokenizer.ggml.merges is missing (byte-level BPE merges by them)");
+  bpe_ = std::make_shared<const BpeModel>(
+      BpeModel::build(pieces_, types_, gguf.get_string_array("tokenizer.ggml.merges"), pre, where));
+  const size_t n = pieces_.size();
+  // Ids from their keys; without one, the family's token of that role when the vocabulary has it.
+  auto id_of = [&](const char* key, std::initializer_list<const char*> texts) -> int32_t {
+    if (gguf.has_key(key)) {
+      const uint32_t id = gguf.get_u32(key);
+      if (id >= n)
+        fail(std::string(key) + " = " + std::to_string(id) + " is out of range (vocab " + std::to_string(n) + ")");
+      return static_cast<int32_t>(id);
+    }
+    for (const char* text : texts)
+      if (const int32_t id = token_id(text); id >= 0) return id;
+    return -1;
+  };
+  // llama.cpp's defaults: Llama-3 adds BOS, other byte-level vocabularies do not; the key decides.
+  add_bos_ = gguf.get_bool_or("tokenizer.ggml.add_bos_token", pre == PreTokenizer::kLlama3);
+  add_space_prefix_ = false;
+  bos_ = id_of("tokenizer.ggml.bos_token_id", {"<|begin_of_text|>"});
+  eos_ = id_of("tokenizer.ggml.eos_token_id", {"<|end_of_text|>", "<|endoftext|>"});
+  unk_ = id_of("tokenizer.ggml.unknown_token_id", {});
+  if (bos_ < 0 && add_bos_) fail("tokenizer.ggml.add_bos_token is true but there is no tokenizer.ggml.bos_token_id");
+  if (eos_ < 0) fail("tokenizer.ggml.eos_token_id is missing (and no <|end_of_text|> or <|endoftext|> token)");
+  // The most text one token covers: a normal token's bytes, a user-defined token's text.
+  max_text_bytes_ = 1;
+  for (size_t i = 0; i < n; ++i) {
+    if (types_[i] == kNormal) max_text_bytes_ = std::max(max_text_bytes_, bpe_->piece_bytes[i].size());
+    if (types_[i] == kUserDefined) max_text_bytes_ = std::max(max_text_bytes_, pieces_[i].size());
+  }
+}
+
+void Tokenizer::finish_special_tokens(const GgufFile& gguf) {
+  const size_t n = pieces_.size();
+  for (size_t i = 0; i < n; ++i) {
+    const int32_t type = types_[i];
+    if ((type == kControl || type == kUserDefined || type == kUnknown) && !pieces_[i].empty())
+      special_ids_.push_back(static_cast<int32_t>(i));
+  }
+  std::stable_sort(special_ids_.begin(), special_ids_.end(), [&](int32_t a, int32_t b) {
+    return pieces_[static_cast<size_t>(a)].size() > pieces_[static_cast<size_t>(b)].size();
+  });
+  eot_ = eos_;
+  if (gguf.has_key("tokenizer.ggml.eot_token_id")) {
+    const uint32_t id = gguf.get_u32("tokenizer.ggml.eot_token_id");
+    if (id >= n)
+      throw std::runtime_error("tokenizer from GGUF '" + gguf.name() + "': tokenizer.ggml.eot_token_id = " +
+                               std::to_string(id) + " is out of range (vocab " + std::to_string(n) + ")");
+    eot_ = static_cast<int32_t>(id);
+  } else {
+    for (const char* text : {"<|eot_id|>", "<|im_end|>"})
+      if (const int32_t id = token_id(text); id >= 0 && types_[static_cast<size_t>(id)] == kControl) {
+        eot_ = id;
+        break;
+      }
+  }
+  eog_ids_ = {eos_, eot_};
+  for (const char* text : {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>", "<|end_of_text|>"})
+    if (const int32_t id = token_id(text); id >= 0 && types_[static_cast<size_t>(id)] == kControl)
+      eog_ids_.push_back(id);
+}
+
+bool Tokenizer::is_end_of_generation(int32_t id) const {
+  return std::find(eog_ids_.begin(), eog_ids_.end(), id) != eog_ids_.end();
+}
+
+int32_t Tokenizer::token_id(std::string_view text) const {
+  if (bpe_) {
+    const auto it = bpe_->token_to_id.find(text);
+    return it == bpe_->token_to_id.end() ? -1 : it->second;
+  }
+  const auto it = text_to_id_.find(text);
+  return it == text_to_id_.end() ? -1 : it->second;
+}
+
+int32_t Tokenizer::token_type(int32_t id) const {
+  (void)piece(id);  // range check
+  return types_[static_cast<size_t>(id)];
 }
 
 std::string_view Tokenizer::trimmed_for_encode(std::string_view text) const {
@@ -188,6 +296,7 @@ std::string_view Tokenizer::trimmed_for_encode(std::string_view text) const {
 }
 
 size_t Tokenizer::min_tokens(std::string_view text) const {
+  if (kind_ == Kind::kByteLevelBpe) return text.size() / max_text_bytes_;  // no normalization: bytes are text
   // Units of text as the pieces see them: a space or a literal "▁" is one, any other byte one.
   const bool squeeze = remove_extra_whitespaces_;  // as encode: runs of spaces as one
   text = trimmed_for_encode(text);
@@ -202,12 +311,59 @@ size_t Tokenizer::min_tokens(std::string_view text) const {
   return units / max_text_bytes_;
 }
 
-std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_bos) const {
+std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_bos, bool parse_special) const {
   std::vector<int32_t> out;
-  if (add_bos) out.push_back(bos_);
+  if (add_bos) {
+    if (bos_ < 0) throw std::runtime_error("tokenizer: the vocabulary has no BOS token to add");
+    out.push_back(bos_);
+  }
+  if (kind_ == Kind::kSentencePiece && !parse_special) {  // (user-defined pieces are the encoder's own)
+    encode_spm(text, out);
+    return out;
+  }
+  // Cut the special tokens out of the text, longest first, every occurrence left to right in what
+  // is still text (llama.cpp's tokenizer_st_partition); then encode the text in between.
+  struct Fragment {
+    size_t begin, len;
+    int32_t token;  // -1: text
+  };
+  std::vector<Fragment> frags, next;
+  if (!text.empty()) frags.push_back({0, text.size(), -1});
+  for (const int32_t id : special_ids_) {
+    if (!parse_special && types_[static_cast<size_t>(id)] != kUserDefined) continue;
+    const std::string& p = pieces_[static_cast<size_t>(id)];
+    if (text.find(p) == std::string_view::npos) continue;
+    next.clear();
+    for (const Fragment& f : frags) {
+      if (f.token >= 0) {
+        next.push_back(f);
+        continue;
+      }
+      const std::string_view area = text.substr(0, f.begin + f.len);
+      size_t at = f.begin;
+      for (size_t m; (m = area.find(p, at)) != std::string_view::npos; at = m + p.size()) {
+        if (m > at) next.push_back({at, m - at, -1});
+        next.push_back({m, p.size(), id});
+      }
+      if (at < area.size()) next.push_back({at, area.size() - at, -1});
+    }
+    frags.swap(next);
+  }
+  for (const Fragment& f : frags) {
+    if (f.token >= 0)
+      out.push_back(f.token);
+    else if (bpe_)
+      bpe_->encode(text.substr(f.begin, f.len), out);
+    else
+      encode_spm(text.substr(f.begin, f.len), out);
+  }
+  return out;
+}
+
+void Tokenizer::encode_spm(std::string_view text, std::vector<int32_t>& out) const {
   const bool squeeze = remove_extra_whitespaces_;
   text = trimmed_for_encode(text);
-  if (text.empty()) return out;
+  if (text.empty()) return;
 
   std::string norm;
   norm.reserve(text.size() + text.size() / 2 + kSpace.size());
@@ -296,7 +452,6 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_bos) cons
     out.push_back(it->second);
   };
   for (int i = sym.empty() ? -1 : 0; i >= 0; i = sym[i].next) emit(emit, view(sym[i].start, sym[i].len));
-  return out;
 }
 
 const std::string& Tokenizer::piece(int32_t id) const {
@@ -312,6 +467,11 @@ std::string Tokenizer::token_to_piece(int32_t id) const {
                              std::to_string(n_vocab()) + ")");
   }
   const auto i = static_cast<size_t>(id);
+  if (bpe_) {  // as llama.cpp's token_to_piece for byte-level vocabularies (control etc. render as "")
+    if (types_[i] == kNormal) return bpe_->piece_bytes[i];
+    if (types_[i] == kUserDefined) return pieces_[i];
+    return "";
+  }
   switch (types_[i]) {
     case kControl:
       return "";
@@ -329,7 +489,7 @@ std::string Tokenizer::token_to_piece(int32_t id) const {
 
 std::string Tokenizer::decode(std::span<const int32_t> ids) const {
   std::string out;
-  bool at_start = add_space_prefix_;  // SentencePiece drops the dummy prefix's space once
+  bool at_start = add_space_prefix_;  // SentencePiece drops the dummy prefix's space once (false for BPE)
   for (int32_t id : ids) {
     std::string p = token_to_piece(id);
     if (p.empty()) continue;
