@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "commands.h"
+#include "locks/chat.h"
 #include "locks/generate.h"
 #include "locks/model.h"
 #include "locks/text_corpus.h"
@@ -47,6 +48,8 @@ struct RunArgs {
   std::string gpu_weights = "auto";
   bool json = false;
   int top_logprobs = 0;
+  bool chat = false;
+  std::string system;
   bool prompt_given = false;  // -p was passed (an empty prompt then means BOS only)
   bool rank_given = false, basis_bits_given = false, group_rule_given = false;
   bool budget_given = false, top_p_given = false, seed_given = false;
@@ -132,7 +135,8 @@ int run(const RunArgs& a) {
     diag("[locks] warning: context {} tokens exceeds the model's training context of {}\n", a.n_ctx,
          model.hp.n_ctx_train);
   Session session(model, sc);  // before tokenizing: a context or budget it refuses is refused at once
-  const std::vector<int32_t> ids = model.tokenizer.encode(prompt, model.tokenizer.add_bos());
+  const std::vector<int32_t> ids = a.chat ? chat_prompt(model.tokenizer, prompt, a.system)
+                                          : model.tokenizer.encode(prompt, model.tokenizer.add_bos());
 
   GenerateOptions go;
   go.max_tokens = a.max_tokens;
@@ -275,13 +279,18 @@ Runner add_run(CLI::App& app) {
           ->check(CLI::IsMember({"auto", "bf16", "f32"}))
           ->capture_default_str();
   app.add_flag("--json", a->json, "print one JSON object instead of streamed text and a stats line");
+  app.add_flag("--chat", a->chat,
+               "wrap the prompt in the model's chat format (Llama-3 headers, or ChatML for Qwen) and stop at its "
+               "end-of-turn token");
+  CLI::Option* system_opt = app.add_option("--system", a->system, "with --chat: a system message before the prompt");
   CLI::Option* logprobs_opt =
       app.add_option("--top-logprobs", a->top_logprobs,
                      "with --json: the N most likely tokens at each generated position, {id, logprob} (natural "
                      "log, temperature 1), most likely first")
           ->transform(decimal_integer())
           ->check(CLI::Range(1, 1000));
-  return [a, logprobs_opt, prompt_opt, rank_opt, basis_opt, rule_opt, budget_opt, top_p_opt, seed_opt, weights_opt] {
+  return [a, system_opt, logprobs_opt, prompt_opt, rank_opt, basis_opt, rule_opt, budget_opt, top_p_opt, seed_opt,
+          weights_opt] {
     a->prompt_given = prompt_opt->count() > 0;
     a->budget_given = budget_opt->count() > 0;
     a->top_p_given = top_p_opt->count() > 0;
@@ -289,6 +298,7 @@ Runner add_run(CLI::App& app) {
     a->rank_given = rank_opt->count() > 0;
     a->basis_bits_given = basis_opt->count() > 0;
     a->group_rule_given = rule_opt->count() > 0;
+    if (system_opt->count() > 0 && !a->chat) throw CLI::ValidationError("--system", "applies with --chat");
     if (logprobs_opt->count() > 0 && !a->json) throw CLI::ValidationError("--top-logprobs", "applies with --json");
     if (!std::isfinite(a->temperature)) throw CLI::ValidationError("--temperature", "must be a finite number");
     if (!(a->top_p > 0.0f && a->top_p <= 1.0f)) throw CLI::ValidationError("--top-p", "must be in (0, 1]");

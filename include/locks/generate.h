@@ -12,9 +12,9 @@
 namespace locks {
 
 struct GenerateOptions {
-  int max_tokens = 32;  // tokens to generate after the prompt
-  int decode_tail = 0;  // last N prompt tokens go through decode (selection runs on them)
-  bool stop_at_eos = true;
+  int max_tokens = 32;      // tokens to generate after the prompt
+  int decode_tail = 0;      // last N prompt tokens go through decode (selection runs on them)
+  bool stop_at_eos = true;  // stop at the end-of-generation tokens (EOS, the end-of-turn token)
   SamplerConfig sampler;
   /// Report the top_logprobs most likely tokens at each generated position (0: none), as OpenAI-style
   /// APIs do: natural-log softmax of the logits at temperature 1 (whatever the sampler's temperature),

@@ -66,11 +66,11 @@ GenerateResult generate(Session& session, const std::vector<int32_t>& prompt_ids
   for (int i = n_prefill; i < n_prompt; ++i) logits = &session.decode(prompt_ids[i]);
 
   Sampler sampler(opts.sampler);
-  const int32_t eos = session.model().tokenizer.eos();
+  const Tokenizer& tok = session.model().tokenizer;
   for (int i = 0; i < opts.max_tokens; ++i) {
     if (opts.top_logprobs > 0) res.top_logprobs.push_back(top_logprobs(*logits, opts.top_logprobs));
     const int32_t id = sampler.sample(*logits);
-    if (opts.stop_at_eos && id == eos) break;
+    if (opts.stop_at_eos && tok.is_end_of_generation(id)) break;
     res.generated_ids.push_back(id);
     if (on_token) on_token(id);
     if (i + 1 < opts.max_tokens) logits = &session.decode(id);
