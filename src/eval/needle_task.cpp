@@ -155,7 +155,7 @@ NeedleTask make_needle_task(const std::vector<std::string>& docs, const Tokenize
   size_t lo = 1, hi = lines.size();
   while (lo < hi) {
     const size_t mid = (lo + hi + 1) / 2;
-    if (int(tok.encode(build(mid, nullptr), true).size()) <= target_tokens)
+    if (int(tok.encode(build(mid, nullptr), tok.add_bos()).size()) <= target_tokens)
       lo = mid;
     else
       hi = mid - 1;
@@ -165,7 +165,7 @@ NeedleTask make_needle_task(const std::vector<std::string>& docs, const Tokenize
 
   // Token segments by prefix tokenization; "\n" is an atomic token and answers start at a space,
   // so every prefix tokenizes to a prefix of the whole (checked).
-  task.context_ids = tok.encode(ctx, true);
+  task.context_ids = tok.encode(ctx, tok.add_bos());
   std::string text = ctx;
   std::vector<int32_t> prev = task.context_ids;
   for (size_t i = 0; i < q_text.size(); ++i) {
@@ -174,9 +174,9 @@ NeedleTask make_needle_task(const std::vector<std::string>& docs, const Tokenize
     q.key = task.keys[asked[i]];
     q.value = task.values[asked[i]];
     text += q_text[i];
-    std::vector<int32_t> with_q = tok.encode(text, true);
+    std::vector<int32_t> with_q = tok.encode(text, tok.add_bos());
     text += a_text[i];
-    std::vector<int32_t> with_a = tok.encode(text, true);
+    std::vector<int32_t> with_a = tok.encode(text, tok.add_bos());
     if (!is_prefix(prev, with_q) || !is_prefix(with_q, with_a))
       throw std::runtime_error("needle task: tokenization of the question is not prefix-stable");
     q.prompt_ids.assign(with_q.begin() + prev.size(), with_q.end());
@@ -188,10 +188,10 @@ NeedleTask make_needle_task(const std::vector<std::string>& docs, const Tokenize
   for (int i = 0; i < n_needles; ++i) {
     const size_t at = ctx.find(fmt::format("\nRemember: the magic number for {} is", task.keys[i]));
     if (at == std::string::npos) throw std::runtime_error("needle task: needle lost while building the context");
-    task.needle_pos.push_back(int32_t(tok.encode(ctx.substr(0, at + 1), true).size()));
+    task.needle_pos.push_back(int32_t(tok.encode(ctx.substr(0, at + 1), tok.add_bos()).size()));
     task.needle_depths.push_back(double(task.needle_pos.back()) / double(task.context_ids.size()));
     const size_t at_value = ctx.find(" " + task.values[i] + ".", at + 1);
-    task.value_pos.push_back(int32_t(tok.encode(ctx.substr(0, at_value), true).size()));
+    task.value_pos.push_back(int32_t(tok.encode(ctx.substr(0, at_value), tok.add_bos()).size()));
   }
   return task;
 }
@@ -211,7 +211,7 @@ std::vector<int32_t> make_text_tokens(const std::vector<std::string>& docs, cons
     text += docs[d];
     text += "\n\n";
   }
-  std::vector<int32_t> ids = tok.encode(text, true);
+  std::vector<int32_t> ids = tok.encode(text, tok.add_bos());
   if (int(ids.size()) < n_tokens)
     throw std::invalid_argument(
         fmt::format("text tokens: the corpus's text makes {} tokens, fewer than the {} needed", ids.size(), n_tokens));
