@@ -14,8 +14,10 @@
 
 #include "family_models.h"
 #include "locks/generate.h"
+#include "locks/gguf.h"
 #include "locks/model.h"
 #include "locks/session.h"
+#include "synth_model.h"
 #include "test_paths.h"
 #include "test_util.h"
 
@@ -108,31 +110,46 @@ TEST(CudaEngine, LocksRefMatchesTheCpuEngine) {
   EXPECT_LT(got.decode.bytes_read, 0.5 * got.decode.dense_bytes);  // LOCKS read less than dense
 }
 
-// The llama (Llama-3.1 RoPE scaling, tied output) and qwen2 (Q/K/V biases, NEOX RoPE) family models on
-// the GPU with float32 weights: the CPU engine's last-prompt logits within relative L2 5e-3 and its
-// first 16 greedy tokens (their smallest CPU top-2 gap is 0.68 logits).
+namespace {
+// Greedy decoding on the CPU and the GPU (float32 weights, full attention) from the same prompt: the
+// same last-prompt logits within 5e-3 relative L2 and the same 16 greedy tokens.
+void expect_gpu_matches_cpu(const LlamaModel& model, const std::vector<int32_t>& ids) {
+  SessionConfig cpu_cfg;
+  cpu_cfg.n_ctx = 1024;
+  SessionConfig gpu_cfg = gpu_config("full", CudaSessionOptions::Weights::kF32);
+  gpu_cfg.n_ctx = 1024;
+  Session cpu(model, cpu_cfg), gpu(model, gpu_cfg);
+  const std::vector<float>* lc = &cpu.prefill(ids);
+  const std::vector<float>* lg = &gpu.prefill(ids);
+  EXPECT_LT(rel_l2(*lg, *lc), 5e-3) << "relative L2 of the last logits";
+  for (int t = 0; t < 16; ++t) {
+    const int32_t want = int32_t(std::max_element(lc->begin(), lc->end()) - lc->begin());
+    const int32_t got = int32_t(std::max_element(lg->begin(), lg->end()) - lg->begin());
+    ASSERT_EQ(got, want) << "greedy token " << t;
+    lc = &cpu.decode(want);
+    lg = &gpu.decode(got);
+  }
+}
+}  // namespace
+
+// The family architectures on the GPU against the CPU engine: qwen3 (per-head q/k RMSNorm, NEOX RoPE,
+// head_dim 32 != n_embd / n_head) written by the test, and the llama (Llama-3.1 RoPE scaling, tied
+// output; Q4_K/Q6_K) and qwen2 (Q/K/V biases, NEOX RoPE; Q5_K/Q6_K) models of ../shared (their
+// smallest CPU top-2 gap over these 16 tokens is 0.68 logits).
 TEST(CudaEngine, FamilyModelsMatchTheCpuEngine) {
   SKIP_WITHOUT_CUDA();
+  {
+    SCOPED_TRACE("qwen3 (per-head q/k RMSNorm, NEOX RoPE), written by the test");
+    const LlamaModel q3 = LlamaModel::from_gguf(GgufFile::from_bytes(test::synth_model(test::SynthSpec{}), "qwen3"),
+                                                ModelLoadOptions{.tokenizer = false});
+    std::vector<int32_t> ids(200);
+    for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t((i * 7 + 3) % size_t(q3.hp.n_vocab));
+    expect_gpu_matches_cpu(q3, ids);
+  }
   if (!test::shared_available()) GTEST_SKIP() << "../shared not present";
   for (const char* stem : test::kFamilyModels) {
     SCOPED_TRACE(stem);
-    const LlamaModel model = test::load_family_model(stem);
-    const std::vector<int32_t> ids = test::family_prompt_ids(stem);
-    SessionConfig cpu_cfg;
-    cpu_cfg.n_ctx = 1024;
-    SessionConfig gpu_cfg = gpu_config("full", CudaSessionOptions::Weights::kF32);
-    gpu_cfg.n_ctx = 1024;
-    Session cpu(model, cpu_cfg), gpu(model, gpu_cfg);
-    const std::vector<float>* lc = &cpu.prefill(ids);
-    const std::vector<float>* lg = &gpu.prefill(ids);
-    EXPECT_LT(rel_l2(*lg, *lc), 5e-3) << "relative L2 of the last logits";
-    for (int t = 0; t < 16; ++t) {
-      const int32_t want = int32_t(std::max_element(lc->begin(), lc->end()) - lc->begin());
-      const int32_t got = int32_t(std::max_element(lg->begin(), lg->end()) - lg->begin());
-      ASSERT_EQ(got, want) << "greedy token " << t;
-      lc = &cpu.decode(want);
-      lg = &gpu.decode(got);
-    }
+    expect_gpu_matches_cpu(test::load_family_model(stem), test::family_prompt_ids(stem));
   }
 }
 
