@@ -12,7 +12,7 @@
 #include "locks/math.h"
 
 #define LOCKS_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define LOCKS_TARGET_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define LOCKS_TARGET_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")))
 
 namespace locks {
 
@@ -39,7 +39,8 @@ bool score_kernel_supported(ScoreKernel k) {
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case ScoreKernel::kAvx512Vnni:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+             __builtin_cpu_supports("avx512vbmi");
   }
   return false;
 }
@@ -147,8 +148,7 @@ struct PageFloats {
 };
 
 template <int U>
-LOCKS_TARGET_AVX2 inline void load_page(const HeadRecords& rec, size_t p, PageFloats<U>& pf) {
-  constexpr int d = 64 * U;
+LOCKS_TARGET_AVX2 inline void load_rows(const HeadRecords& rec, size_t p, PageFloats<U>& pf) {
   alignas(32) float cs[kB];
   const auto* css = reinterpret_cast<const __m128i*>(rec.coef_scale + p * kB);
   _mm256_store_ps(cs, _mm256_cvtph_ps(_mm_loadu_si128(css)));
@@ -158,6 +158,12 @@ LOCKS_TARGET_AVX2 inline void load_page(const HeadRecords& rec, size_t p, PageFl
     const __m256i c32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(coef + i * kR)));
     pf.cf[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(c32), _mm256_set1_ps(cs[i]));
   }
+}
+
+template <int U, bool kRows = true>
+LOCKS_TARGET_AVX2 inline void load_page(const HeadRecords& rec, size_t p, PageFloats<U>& pf) {
+  constexpr int d = 64 * U;
+  if constexpr (kRows) load_rows(rec, p, pf);
   pf.vscale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec.basis_scale + p * kR)));
   const int8_t* mu = rec.centroid + p * d;
   for (int c = 0; c < 8 * U; ++c)
@@ -179,9 +185,10 @@ LOCKS_TARGET_AVX2 inline __m256 centroid_dots(const PreparedQueries& pq, const P
   return hsum8x8_ps(acc);
 }
 
-// Eq. 4's float part for one head: logits (af + W.cf_i) * scale over the 16 tokens, their log-sum-exp.
+// Eq. 4's float part for one head: logits (af + W.cf_i) * scale over the 16 tokens; returns their
+// max and l = sum exp(logit - max), the log-sum-exp being max + log l (taken later, eight at a time).
 template <int U>
-LOCKS_TARGET_AVX2 inline float page_lse(const PageFloats<U>& pf, __m256 w, float af, float scale) {
+LOCKS_TARGET_AVX2 inline float page_sum_exp(const PageFloats<U>& pf, __m256 w, float af, float scale, float& mx) {
   __m256 p[8];
   for (int i = 0; i < 8; ++i) p[i] = _mm256_mul_ps(pf.cf[i], w);
   const __m256 l0 = hsum8x8_ps(p);
@@ -189,10 +196,71 @@ LOCKS_TARGET_AVX2 inline float page_lse(const PageFloats<U>& pf, __m256 w, float
   const __m256 l1 = hsum8x8_ps(p);
   const __m256 a8 = _mm256_set1_ps(af), s8 = _mm256_set1_ps(scale);
   const __m256 lo = _mm256_mul_ps(_mm256_add_ps(l0, a8), s8), hi = _mm256_mul_ps(_mm256_add_ps(l1, a8), s8);
-  const float mx = hmax8f(_mm256_max_ps(lo, hi));
+  mx = hmax8f(_mm256_max_ps(lo, hi));
   const __m256 m8 = _mm256_set1_ps(mx);
-  const float l = hsum8f(_mm256_add_ps(fast_exp8(_mm256_sub_ps(lo, m8)), fast_exp8(_mm256_sub_ps(hi, m8))));
-  return mx + fast_log(l);  // l in [1, 16]
+  return hsum8f(_mm256_add_ps(fast_exp8(_mm256_sub_ps(lo, m8)), fast_exp8(_mm256_sub_ps(hi, m8))));
+}
+
+// fast_log (locks/math.h) on eight lanes, the same steps: exponent split, atanh series on the mantissa.
+LOCKS_TARGET_AVX2 inline __m256 fast_log8(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  __m256i e =
+      _mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(0xff)), _mm256_set1_epi32(127));
+  __m256 m = _mm256_castsi256_ps(
+      _mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi32(0x007fffff)), _mm256_set1_epi32(0x3f800000)));
+  const __m256 big = _mm256_cmp_ps(m, _mm256_set1_ps(1.41421356f), _CMP_GT_OQ);
+  m = _mm256_blendv_ps(m, _mm256_mul_ps(m, _mm256_set1_ps(0.5f)), big);
+  e = _mm256_sub_epi32(e, _mm256_castps_si256(big));  // mask lanes are -1: e + 1
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 t = _mm256_div_ps(_mm256_sub_ps(m, one), _mm256_add_ps(m, one)), t2 = _mm256_mul_ps(t, t);
+  __m256 p = _mm256_fmadd_ps(t2, _mm256_set1_ps(0.11111111f), _mm256_set1_ps(0.14285715f));
+  p = _mm256_fmadd_ps(t2, p, _mm256_set1_ps(0.2f));
+  p = _mm256_fmadd_ps(t2, p, _mm256_set1_ps(0.33333334f));
+  p = _mm256_fmadd_ps(t2, p, one);
+  p = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(2.0f), t), p);
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(e), _mm256_set1_ps(0.69314718f), p);
+}
+
+// out[g][j] = mx[g][j] + log(out[g][j]) (out held l), and each head's max.
+// fast_exp8 on sixteen lanes (same polynomial and clamping).
+LOCKS_TARGET_VNNI inline __m512 fast_exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i ni = _mm512_cvtps_epi32(n);
+  const __m512i n1 = _mm512_srai_epi32(ni, 1), n2 = _mm512_sub_epi32(ni, n1);
+  const __m512 s1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n1, _mm512_set1_epi32(127)), 23));
+  const __m512 s2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, _mm512_set1_epi32(127)), 23));
+  return _mm512_mul_ps(_mm512_mul_ps(p, s1), s2);
+}
+
+LOCKS_TARGET_AVX2 void finish_lse(const float* mx, int G, int n, float* out, size_t out_stride, float* head_max) {
+  for (int g = 0; g < G; ++g) {
+    float* o = out + size_t(g) * out_stride;
+    const float* m = mx + size_t(g) * n;
+    __m256 hm = _mm256_set1_ps(kNegInf);
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+      const __m256 s = _mm256_add_ps(_mm256_loadu_ps(m + j), fast_log8(_mm256_loadu_ps(o + j)));
+      _mm256_storeu_ps(o + j, s);
+      hm = _mm256_max_ps(hm, s);
+    }
+    float h = hmax8f(hm);
+    for (; j < n; ++j) {
+      o[j] = m[j] + fast_log(o[j]);
+      h = std::max(h, o[j]);
+    }
+    head_max[g] = std::max(head_max[g], h);
+  }
 }
 
 // W_k = (V_k^T code as integers) * column scale * query scale, from the offset-binary column dots.
@@ -208,6 +276,9 @@ LOCKS_TARGET_AVX2 void score_pages_avx2(const PreparedQueries& pq, const HeadRec
   const int G = pq.n_group;
   const __m256i low4 = _mm256_set1_epi8(0x0f), eight = _mm256_set1_epi8(0x08);
   const __m256i w_hi = _mm256_set1_epi16(1 << 14), w_mid = _mm256_set1_epi16(1 << 7), w_lo = _mm256_set1_epi16(1);
+  thread_local std::vector<float> mx_buf;  // [G][n_pages] each logit set's max
+  mx_buf.resize(size_t(G) * n_pages);
+  float* mx = mx_buf.data();
   PageFloats<U> pf;
   for (int j = 0; j < n_pages; ++j) {
     const size_t p = size_t(pages[j]);
@@ -241,12 +312,12 @@ LOCKS_TARGET_AVX2 void score_pages_avx2(const PreparedQueries& pq, const HeadRec
           }
         }
         const __m256 w = basis_weights(hsum8x8_epi32(acc), pq.qsum[g], pf.vscale, pq.qscale[g]);
-        const float s_hat = page_lse<U>(pf, w, a[g - g0] * pf.musc, scale);
-        out[size_t(g) * out_stride + j] = s_hat;
-        update_max(head_max, g, s_hat);
+        out[size_t(g) * out_stride + j] =
+            page_sum_exp<U>(pf, w, a[g - g0] * pf.musc, scale, mx[size_t(g) * n_pages + j]);
       }
     }
   }
+  finish_lse(mx, G, n_pages, out, out_stride, head_max);
 }
 
 // ---- AVX-512 VNNI --------------------------------------------------------------------------------
@@ -270,6 +341,17 @@ LOCKS_TARGET_VNNI void score_pages_vnni(const PreparedQueries& pq, const HeadRec
     }
   }
   const __m512i low4 = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(0x08);
+  // Byte permutes of the [16 tokens][8 ranks] coefficients to [rank][token], ranks 0-3 and 4-7.
+  alignas(64) uint8_t tr[2][64];
+  for (int k = 0; k < 4; ++k)
+    for (int t = 0; t < 16; ++t) {
+      tr[0][k * 16 + t] = uint8_t(t * kR + k);
+      tr[1][k * 16 + t] = uint8_t(t * kR + k + 4);
+    }
+  const __m512i tr0 = _mm512_load_si512(tr[0]), tr1 = _mm512_load_si512(tr[1]);
+  thread_local std::vector<float> mx_buf;  // [G][n_pages] each logit set's max
+  mx_buf.resize(size_t(G) * n_pages);
+  float* mx = mx_buf.data();
   PageFloats<U> pf;
   for (int j = 0; j < n_pages; ++j) {
     const size_t p = size_t(pages[j]);
@@ -280,7 +362,17 @@ LOCKS_TARGET_VNNI void score_pages_vnni(const PreparedQueries& pq, const HeadRec
       lo[m] = _mm512_xor_si512(_mm512_and_si512(z, low4), eight);
       hi[m] = _mm512_xor_si512(_mm512_and_si512(_mm512_srli_epi16(z, 4), low4), eight);
     }
-    load_page<U>(rec, p, pf);
+    load_page<U, false>(rec, p, pf);
+    // Coefficients as [rank][16 tokens] floats, token scales folded in: one byte permute per 4 ranks.
+    const int8_t* coef = rec.coef + p * kB * kR;
+    const __m512i ca = _mm512_loadu_si512(coef), cb = _mm512_loadu_si512(coef + 64);
+    const __m512i t0 = _mm512_permutex2var_epi8(ca, tr0, cb), t1 = _mm512_permutex2var_epi8(ca, tr1, cb);
+    const __m512 cs = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec.coef_scale + p * kB)));
+    const auto rank_row = [&](__m128i b) { return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), cs); };
+    const __m512 ct[kR] = {rank_row(_mm512_castsi512_si128(t0)),       rank_row(_mm512_extracti32x4_epi32(t0, 1)),
+                           rank_row(_mm512_extracti32x4_epi32(t0, 2)), rank_row(_mm512_extracti32x4_epi32(t0, 3)),
+                           rank_row(_mm512_castsi512_si128(t1)),       rank_row(_mm512_extracti32x4_epi32(t1, 1)),
+                           rank_row(_mm512_extracti32x4_epi32(t1, 2)), rank_row(_mm512_extracti32x4_epi32(t1, 3))};
     for (int g0 = 0; g0 < G; g0 += 8) {
       alignas(32) float a[8];
       _mm256_store_ps(a, centroid_dots<U>(pq, pf, g0));
@@ -304,13 +396,18 @@ LOCKS_TARGET_VNNI void score_pages_vnni(const PreparedQueries& pq, const HeadRec
             col[m] = _mm256_add_epi32(h0, h1);
           }
         }
-        const __m256 w = basis_weights(hsum8x8_epi32(col), pq.qsum[g], pf.vscale, pq.qscale[g]);
-        const float s_hat = page_lse<U>(pf, w, a[g - g0] * pf.musc, scale);
-        out[size_t(g) * out_stride + j] = s_hat;
-        update_max(head_max, g, s_hat);
+        alignas(32) float w[kR];
+        _mm256_store_ps(w, _mm256_mul_ps(basis_weights(hsum8x8_epi32(col), pq.qsum[g], pf.vscale, pq.qscale[g]),
+                                         _mm256_set1_ps(scale)));
+        __m512 lg = _mm512_set1_ps(a[g - g0] * pf.musc * scale);  // 16 token logits
+        for (int k = 0; k < kR; ++k) lg = _mm512_fmadd_ps(_mm512_set1_ps(w[k]), ct[k], lg);
+        const float m = _mm512_reduce_max_ps(lg);
+        mx[size_t(g) * n_pages + j] = m;
+        out[size_t(g) * out_stride + j] = _mm512_reduce_add_ps(fast_exp16(_mm512_sub_ps(lg, _mm512_set1_ps(m))));
       }
     }
   }
+  finish_lse(mx, G, n_pages, out, out_stride, head_max);
 }
 
 }  // namespace
