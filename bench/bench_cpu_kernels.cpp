@@ -52,6 +52,37 @@ void BM_ScorePages(benchmark::State& state) {
 }
 BENCHMARK(BM_ScorePages)->Arg(64)->Arg(128);
 
+// The streamed score pass (score_pages) over the same 4096 pages, per kernel: 0 portable, 1 AVX2,
+// 2 AVX-512 VNNI (skipped where the CPU lacks it).
+void BM_ScorePass(benchmark::State& state) {
+  const int d = int(state.range(0)), G = 4, n_pages = 4096;
+  const locks::ScoreKernel kernels[] = {locks::ScoreKernel::kPortable, locks::ScoreKernel::kAvx2,
+                                        locks::ScoreKernel::kAvx512Vnni};
+  const locks::ScoreKernel kernel = kernels[state.range(1)];
+  if (!locks::score_kernel_supported(kernel)) {
+    state.SkipWithError("this CPU does not run the kernel");
+    return;
+  }
+  state.SetLabel(locks::score_kernel_name(kernel));
+  locks::SummaryFormat fmt;
+  locks::PageSummaryStore store(fmt, 1, 1, n_pages, 16, d);
+  for (int p = 0; p < n_pages; ++p) {
+    const auto keys = gaussian(size_t(16) * d, uint32_t(p + 2));
+    store.store(0, 0, p, locks::build_page_summary(keys.data(), 16, d, fmt.rank));
+  }
+  const auto q = gaussian(size_t(G) * d, 9);
+  std::vector<int32_t> pages(n_pages);
+  std::iota(pages.begin(), pages.end(), 0);
+  std::vector<float> out(size_t(G) * n_pages);
+  for (auto _ : state) {
+    store.score_pages(0, 0, pages, q.data(), G, 0.125f, out.data(), size_t(n_pages), nullptr, kernel);
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.SetItemsProcessed(state.iterations() * n_pages);
+  state.SetBytesProcessed(state.iterations() * n_pages * int64_t(store.summary_bytes()));
+}
+BENCHMARK(BM_ScorePass)->ArgsProduct({{64, 128}, {0, 1, 2}});
+
 // Exact decode attention of a G = 4 group over 1024 f16 pages.
 void BM_DecodeAttention(benchmark::State& state) {
   const int d = int(state.range(0)), G = 4, T = 16 * 1024;

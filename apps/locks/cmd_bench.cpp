@@ -1,14 +1,23 @@
 // `locks bench`: decode-attention time of dense vs LOCKS at long context (one layer, synthetic
-// f16 KV), summary build throughput, and the reference model's prefill / decode speed.
+// f16 KV), summary build throughput, and the reference model's prefill / decode speed with the
+// per-step split, beside llama.cpp's llama-bench on the same model and context (--peer).
 // Ratios come from one process, alternating the two paths, medians of repeated runs, with the
 // CPU caches flushed before every timed run so neither side is helped by the other's reads.
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <omp.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <vector>
 
@@ -41,6 +50,8 @@ struct BenchArgs {
   bool skip_attention = false;
   std::string model;
   int threads = 0;
+  int rounds = 3;
+  std::string peer;
   // ---- CUDA (`--device cuda`) ----
   std::string device = "cpu";
   std::vector<int> batches = {1, 2, 4, 8};
@@ -179,8 +190,65 @@ std::vector<int32_t> haystack_tokens(const LlamaModel& model, int n) {
   return ids;
 }
 
+// Runs argv (no shell) as a child process and returns its standard output; its standard error is
+// discarded. Throws std::runtime_error naming the program when it cannot start or exits non-zero.
+std::string run_child(const std::vector<std::string>& argv) {
+  int out[2];
+  if (pipe(out) != 0) throw std::runtime_error(fmt::format("cannot create a pipe for '{}'", argv[0]));
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, out[1], STDOUT_FILENO);
+  posix_spawn_file_actions_addclose(&fa, out[0]);
+  posix_spawn_file_actions_addopen(&fa, STDERR_FILENO, "/dev/null", O_WRONLY, 0);
+  std::vector<char*> args;
+  for (const auto& x : argv) args.push_back(const_cast<char*>(x.c_str()));
+  args.push_back(nullptr);
+  pid_t pid = 0;
+  const int rc = posix_spawn(&pid, argv[0].c_str(), &fa, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&fa);
+  close(out[1]);
+  if (rc != 0) {
+    close(out[0]);
+    throw std::runtime_error(fmt::format("cannot run '{}': {}", argv[0], std::strerror(rc)));
+  }
+  std::string text;
+  char buf[4096];
+  for (ssize_t n; (n = read(out[0], buf, sizeof buf)) > 0;) text.append(buf, size_t(n));
+  close(out[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+    throw std::runtime_error(
+        fmt::format("'{}' failed (exit status {})", argv[0], WIFEXITED(status) ? WEXITSTATUS(status) : -1));
+  return text;
+}
+
+// llama.cpp's llama-bench decode speed (tokens/s) on `model` after a `depth`-token context:
+// `-p 0 -n <n_gen> -d <depth> -t <threads> -fa <0|1> -r 1 -o json`, its "avg_ts".
+double peer_decode_speed(const std::string& peer, const std::string& model, int depth, int n_gen, int threads,
+                         bool flash_attn) {
+  const std::string out =
+      run_child({peer, "-m", model, "-p", "0", "-n", std::to_string(n_gen), "-d", std::to_string(depth), "-t",
+                 std::to_string(threads), "-fa", flash_attn ? "1" : "0", "-r", "1", "-o", "json"});
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(out);
+  } catch (const nlohmann::json::exception& e) {
+    throw std::runtime_error(fmt::format("'{}' printed no JSON result ({})", peer, e.what()));
+  }
+  if (!j.is_array() || j.empty() || !j.back().contains("avg_ts") || !j.back()["avg_ts"].is_number())
+    throw std::runtime_error(fmt::format("'{}' printed no \"avg_ts\" in its JSON result", peer));
+  return j.back()["avg_ts"].get<double>();
+}
+
+// Per-step times of one engine over the rounds (seconds per step).
+struct StepSplit {
+  std::vector<double> step, score, select, attend;
+};
+
 void bench_model(const BenchArgs& a) {
-  const LlamaModel model = LlamaModel::load(a.model.empty() ? default_model_path() : a.model);
+  const std::string model_path = a.model.empty() ? default_model_path() : a.model;
+  const LlamaModel model = LlamaModel::load(model_path);
   warn_model_defaults(model.defaults_used);
   // A 4096-token prefill, then a long context for the decode comparison.
   constexpr int kMinModelContext = 4096 + 64;
@@ -189,8 +257,9 @@ void bench_model(const BenchArgs& a) {
         "bench's model part needs a model context of at least {} tokens; '{}' has {} (--skip-model runs the "
         "attention part only)",
         kMinModelContext, model.name, model.hp.n_ctx_train));
+  const int threads = omp_get_max_threads();
   fmt::print("== model {} ({} layers, d_model {}, {} heads / {} KV heads), {} threads ==\n", model.name,
-             model.hp.n_layer, model.hp.n_embd, model.hp.n_head, model.hp.n_head_kv, omp_get_max_threads());
+             model.hp.n_layer, model.hp.n_embd, model.hp.n_head, model.hp.n_head_kv, threads);
   {
     const auto ids = haystack_tokens(model, 4096);
     SessionConfig sc;
@@ -200,33 +269,73 @@ void bench_model(const BenchArgs& a) {
     const double sec = std::chrono::duration<double>(Clock::now() - t0).count();
     fmt::print("prefill 4096 tokens: {:.2f} s, {:.0f} tokens/s\n", sec, 4096 / sec);
   }
-  const int ctx = std::min(16384 - 64, model.hp.n_ctx_train - 64);
+  // llama-bench's -n 64 -d ctx fills the model's context exactly (ctx + 64 = n_ctx_train at 16K).
+  constexpr int kSteps = 32, kPeerGen = 64;
+  const int ctx = std::min(16384 - kPeerGen, model.hp.n_ctx_train - kPeerGen);
   const auto ids = haystack_tokens(model, ctx);
   SessionConfig sc;
   Session base(model, sc);
   const auto t0 = Clock::now();
   base.prefill(ids);
   fmt::print("prefill {} tokens: {:.2f} s\n", ctx, std::chrono::duration<double>(Clock::now() - t0).count());
-  for (const char* name : {"full", "locks"}) {
-    SessionConfig fc;
-    fc.selector = name;
-    fc.budget_tokens = a.budget;
-    Session s = base.fork(fc);
-    int32_t tok = argmax(s.decode(ids.back()));  // first step (warm-up) is excluded below
-    const DecodeTotals warm = s.totals();
-    for (int i = 0; i < 32; ++i) tok = argmax(s.decode(tok));
-    DecodeTotals t = s.totals();
-    t.steps -= warm.steps;
-    t.seconds -= warm.seconds;
-    t.bytes_read -= warm.bytes_read;
-    t.dense_bytes -= warm.dense_bytes;
-    t.select_seconds -= warm.select_seconds;
-    t.attend_seconds -= warm.attend_seconds;
-    fmt::print(
-        "decode at {} context, {:>5} (budget {}): {:.1f} tokens/s, attention read/step {:.0f} KiB "
-        "(dense {:.0f} KiB), select {:.2f} ms + attend {:.2f} ms per step\n",
-        ctx, name, a.budget, t.steps / t.seconds, t.bytes_read / t.steps / 1024, t.dense_bytes / t.steps / 1024,
-        1e3 * t.select_seconds / t.steps, 1e3 * t.attend_seconds / t.steps);
+  double load[3] = {0, 0, 0};
+  getloadavg(load, 3);
+  fmt::print(
+      "decode at {} context: medians of {} alternating rounds (each: {} steps per engine after one warm-up step{}); "
+      "load average {:.2f} {:.2f} {:.2f} at the start\n",
+      ctx, a.rounds, kSteps, a.peer.empty() ? "" : fmt::format(", llama-bench -n {} per setting", kPeerGen), load[0],
+      load[1], load[2]);
+  const char* names[2] = {"full", "locks"};
+  std::unique_ptr<Selector> prepared[2];
+  SessionConfig cfgs[2];
+  for (int e = 0; e < 2; ++e) {
+    cfgs[e].selector = names[e];
+    cfgs[e].budget_tokens = a.budget;
+    prepared[e] = base.prepare_selector(cfgs[e]);  // summaries built once, outside the timed steps
+  }
+  StepSplit split[2];
+  std::vector<double> peer_tps[2];  // flash-attn off, on
+  double kib[2] = {0, 0}, dense_kib = 0;
+  for (int round = 0; round < a.rounds; ++round) {
+    for (int e = 0; e < 2; ++e) {
+      Session s = base.fork(cfgs[e], *prepared[e]);
+      int32_t tok = argmax(s.decode(ids.back()));  // first step (warm-up) is excluded below
+      const DecodeTotals warm = s.totals();
+      for (int i = 0; i < kSteps; ++i) tok = argmax(s.decode(tok));
+      const DecodeTotals& t = s.totals();
+      const double n = double(t.steps - warm.steps);
+      split[e].step.push_back((t.seconds - warm.seconds) / n);
+      split[e].score.push_back((t.score_seconds - warm.score_seconds) / n);
+      split[e].select.push_back((t.select_seconds - warm.select_seconds) / n);
+      split[e].attend.push_back((t.attend_seconds - warm.attend_seconds) / n);
+      kib[e] = (t.bytes_read - warm.bytes_read) / n / 1024;
+      dense_kib = (t.dense_bytes - warm.dense_bytes) / n / 1024;
+    }
+    if (!a.peer.empty())
+      for (int fa = 0; fa < 2; ++fa)
+        peer_tps[fa].push_back(peer_decode_speed(a.peer, model_path, ctx, kPeerGen, threads, fa == 1));
+  }
+  fmt::print("{:<34} {:>9} {:>9} | {:>8} {:>8} {:>8} {:>8} | {:>10}\n", "engine", "tokens/s", "ms/step", "score",
+             "select", "attend", "rest", "read KiB");
+  double tps[2];
+  for (int e = 0; e < 2; ++e) {
+    const double step = median(split[e].step), score = median(split[e].score);
+    const double sel = median(split[e].select), att = median(split[e].attend);
+    tps[e] = 1.0 / step;
+    const std::string label = e == 0 ? "locks, dense" : fmt::format("locks, LOCKS (budget {})", a.budget);
+    fmt::print("{:<34} {:>9.1f} {:>9.2f} | {:>8.2f} {:>8.2f} {:>8.2f} {:>8.2f} | {:>10.0f}\n", label, tps[e],
+               1e3 * step, 1e3 * score, 1e3 * (sel - score), 1e3 * att, 1e3 * (step - sel - att), kib[e]);
+  }
+  fmt::print(
+      "(ms per step, medians; score = Eq. 4 over every page, select = shares + top-k, attend = decode attention, "
+      "rest = matmuls, norms, RoPE, sampling; dense reads {:.0f} KiB/step)\n",
+      dense_kib);
+  fmt::print("LOCKS / locks dense: {:.2f}x\n", tps[1] / tps[0]);
+  if (!a.peer.empty()) {
+    const double off = median(peer_tps[0]), on = median(peer_tps[1]), best = std::max(off, on);
+    fmt::print("{:<34} {:>9.1f}\n{:<34} {:>9.1f}\n", "llama.cpp, flash-attn off", off, "llama.cpp, flash-attn on", on);
+    fmt::print("vs llama.cpp's best dense decode ({:.1f} tokens/s): LOCKS {:.2f}x, locks dense {:.2f}x\n", best,
+               tps[1] / best, tps[0] / best);
   }
 }
 
@@ -359,7 +468,17 @@ Runner add_bench(CLI::App& app) {
       app.add_flag("--skip-attention", a->skip_attention, "cpu: only the engine benchmark"),
       app.add_option("--threads", a->threads, "cpu: CPU threads (default: all cores)")
           ->transform(decimal_integer())
-          ->check(CLI::Range(1, 1024))};
+          ->check(CLI::Range(1, 1024)),
+      app.add_option("--rounds", a->rounds,
+                     "cpu: alternating rounds of the engine benchmark's decode comparison (medians reported)")
+          ->transform(decimal_integer())
+          ->check(CLI::Range(1, 100))
+          ->capture_default_str(),
+      app.add_option("--peer", a->peer,
+                     "cpu: llama.cpp's llama-bench binary; runs it on the same model and context (-p 0 -n 64 -d "
+                     "<context> -t <threads>, flash-attn off and on) alternating with our engine, and prints the "
+                     "ratios")
+          ->check(CLI::ExistingFile)};
   return [a, o_ctx, o_kv, o_grp, o_hd, o_bud, o_runs, cuda_only, cpu_only, &app_ref = app] {
     if (a->budget % 16 != 0)
       throw CLI::ValidationError("--budget", fmt::format("{} is not a multiple of the page size 16", a->budget));
@@ -375,6 +494,8 @@ Runner add_bench(CLI::App& app) {
       throw CLI::ValidationError("--skip-model", "with --skip-attention leaves nothing to run");
     if (a->skip_model && !a->model.empty())
       throw CLI::ValidationError("--model", "does not apply with --skip-model (the model is not loaded)");
+    if (a->skip_model && !a->peer.empty())
+      throw CLI::ValidationError("--peer", "does not apply with --skip-model (it compares the engine)");
     if (a->skip_attention && a->device != "cuda")  // the engine benchmark has its own shapes and timing
       for (const CLI::Option* o : {o_ctx, o_kv, o_grp, o_hd, o_runs})
         if (o->count() > 0)

@@ -14,6 +14,7 @@ struct DecodeTotals {
   double bytes_read = 0;      // selector reads + K/V of attended pages
   double dense_bytes = 0;     // K/V of every page (what full attention reads)
   double select_seconds = 0;  // CPU only: the selectors' time
+  double score_seconds = 0;   // CPU only: the part of select_seconds spent estimating page log-masses
   double attend_seconds = 0;  // CPU only: decode attention's time
   double seconds = 0;         // whole decode steps
 };

@@ -60,6 +60,13 @@ float summary_log_mass(const PageSummaryF32& s, const float* q, int d, float sca
 /// Exact page log-mass s_j(q) = logsumexp_i (q.k_i) * scale over n_tok keys [n_tok][d].
 float exact_log_mass(const float* keys, int n_tok, const float* q, int d, float scale);
 
+/// Implementations of the integer score pass (PageSummaryStore::score_pages): kAuto picks the best
+/// one this CPU runs (checked at run time); kPortable is plain C++ and runs everywhere.
+enum class ScoreKernel { kAuto, kPortable, kAvx2, kAvx512Vnni };
+const char* score_kernel_name(ScoreKernel k);  // "auto", "portable", "avx2", "avx512-vnni"
+bool score_kernel_supported(ScoreKernel k);    // whether this CPU runs it
+ScoreKernel best_score_kernel();               // never kAuto
+
 /// Structure-of-arrays store of quantized summaries for every (layer, KV head, page id), laid out
 /// [layer][kv_head][page] per field so a score pass over one head's pages is a linear walk. Every
 /// accessor throws std::out_of_range for a layer, KV head or page id outside the store; load and
@@ -87,6 +94,20 @@ class PageSummaryStore {
   /// 1/sqrt(d).
   void score(int il, int kv_head, int32_t page, const float* q, int n_group, float scale, float* out) const;
 
+  /// Eq. 4 for a GQA group over a list of pages of one (layer, KV head), streaming each summary once:
+  /// out[g * out_stride + j] = s_hat_{pages[j]}(q_g), and head_max[g] = max_j of it when head_max is
+  /// not null. q: [n_group][d] float32. The shipped format (B = 16, r = 8, int4 basis, int8
+  /// coefficients and centroid, d a multiple of 64) is scored by the integer kernel `kernel`: for the
+  /// basis product q is rounded to 21-bit codes per head (|error| <= max|q_g| / 2^21 per element),
+  /// everything else is exact integer or float32 arithmetic; other formats go through score(). Throws
+  /// std::invalid_argument for n_group < 1, out_stride < pages.size(), a non-finite q or a kernel this
+  /// CPU does not run, std::out_of_range / std::logic_error as score() for a bad or unstored page.
+  void score_pages(int il, int kv_head, std::span<const int32_t> pages, const float* q, int n_group, float scale,
+                   float* out, size_t out_stride, float* head_max = nullptr,
+                   ScoreKernel kernel = ScoreKernel::kAuto) const;
+  /// Whether score_pages uses the integer kernels for this store's format and head_dim.
+  bool integer_scoring() const { return int_path_; }
+
  private:
   size_t index(int il, int kv_head, int32_t page) const {
     if (il < 0 || il >= n_layer_ || kv_head < 0 || kv_head >= n_head_kv_ || page < 0 || page >= n_pages_)
@@ -101,6 +122,7 @@ class PageSummaryStore {
   int n_layer_ = 0, n_head_kv_ = 0, n_pages_ = 0, B_ = 16, d_ = 0;
   size_t basis_stride_ = 0, coef_stride_ = 0, centroid_stride_ = 0, summary_bytes_ = 0;
   bool fast_path_ = false;  // shipped-like format handled by the AVX2 score kernel
+  bool int_path_ = false;   // the shipped format at d % 64 == 0: the integer score pass
   // Committed as pages are stored (ZeroedArray), not for the whole pool up front.
   ZeroedArray<uint8_t> basis_;         // [L][H][P][basis_stride_] packed codes / bf16 / f32
   ZeroedArray<f16_t> basis_scale_;     // [L][H][P][r]

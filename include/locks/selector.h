@@ -70,6 +70,9 @@ struct Selection {
   /// [n_group][n_pages] the selector's page log-mass estimates, when the request asked for them
   /// and the selector scores pages (empty for full / streaming).
   std::vector<float> log_mass;
+  /// Seconds the selector spent estimating page log-masses (Eq. 4 for `locks`), a part of its
+  /// select() time; 0 for selectors that do not report it.
+  double score_seconds = 0;
 };
 
 /// Bytes one GQA group's decode step reads: the selector's own reads plus the K/V of the selected

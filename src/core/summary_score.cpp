@@ -1,6 +1,7 @@
 // Eq. 4 (arXiv 2607.24555): the log-mass estimate of a page from its summary, for the float summary
 // (summary_log_mass), the stored one (PageSummaryStore::score, with an AVX2 kernel for the shipped
-// format), and the exact log-mass from the keys (exact_log_mass).
+// format; score_pages streams a page list through the integer kernels), and the exact log-mass from the keys
+// (exact_log_mass).
 #include <fmt/format.h>
 #include <immintrin.h>
 
@@ -11,6 +12,7 @@
 #include <stdexcept>
 
 #include "core/summary_limits.h"
+#include "core/summary_score_kernels.h"
 #include "locks/math.h"
 #include "locks/page_summary.h"
 #include "locks/quant.h"
@@ -204,6 +206,51 @@ void PageSummaryStore::score(int il, int kv_head, int32_t page, const float* q, 
     for (int i = 0; i < B_; ++i) l += fast_exp(logits[i] - mx);
     out[g] = mx + std::log(l);
   }
+}
+
+void PageSummaryStore::score_pages(int il, int kv_head, std::span<const int32_t> pages, const float* q, int n_group,
+                                   float scale, float* out, size_t out_stride, float* head_max,
+                                   ScoreKernel kernel) const {
+  if (n_group < 1) throw std::invalid_argument(fmt::format("score_pages: GQA group of {} heads", n_group));
+  if (out_stride < pages.size())
+    throw std::invalid_argument(fmt::format("score_pages: output stride {} < {} pages", out_stride, pages.size()));
+  if (!score_kernel_supported(kernel))
+    throw std::invalid_argument(
+        fmt::format("score_pages: this CPU does not run the {} kernel", score_kernel_name(kernel)));
+  if (const std::ptrdiff_t i = first_non_finite(q, size_t(n_group) * d_); i >= 0)
+    throw std::invalid_argument(fmt::format("score_pages: non-finite query at head {}, dim {}", i / d_, i % d_));
+  if (head_max) std::fill(head_max, head_max + n_group, kNegInf);
+  for (const int32_t page : pages) (void)stored_index(il, kv_head, page);  // every page stored
+  if (!int_path_) {  // other formats: page by page through score()
+    float tmp[kMaxGroup];
+    for (size_t j = 0; j < pages.size(); ++j)
+      for (int g0 = 0; g0 < n_group; g0 += kMaxGroup) {
+        const int n = std::min(kMaxGroup, n_group - g0);
+        score(il, kv_head, pages[j], q + size_t(g0) * d_, n, scale, tmp);
+        for (int g = 0; g < n; ++g) {
+          out[size_t(g0 + g) * out_stride + j] = tmp[g];
+          if (head_max) head_max[g0 + g] = std::max(head_max[g0 + g], tmp[g]);
+        }
+      }
+    return;
+  }
+  // Queries once per call, then one stream over the head's records.
+  thread_local score_kernels::PreparedQueries pq;
+  score_kernels::prepare_queries(q, n_group, d_, pq);
+  const size_t base = index(il, kv_head, 0);
+  const score_kernels::HeadRecords rec{basis_.data() + base * basis_stride_,
+                                       basis_scale_.data() + base * fmt_.rank,
+                                       reinterpret_cast<const int8_t*>(coef_.data() + base * coef_stride_),
+                                       coef_scale_.data() + base * B_,
+                                       reinterpret_cast<const int8_t*>(centroid_.data() + base * centroid_stride_),
+                                       centroid_scale_.data() + base};
+  std::vector<float> local_max;
+  if (!head_max) {
+    local_max.assign(n_group, kNegInf);
+    head_max = local_max.data();
+  }
+  const ScoreKernel k = kernel == ScoreKernel::kAuto ? best_score_kernel() : kernel;
+  score_kernels::kernel_for(k, d_)(pq, rec, pages.data(), int(pages.size()), scale, out, out_stride, head_max);
 }
 
 }  // namespace locks

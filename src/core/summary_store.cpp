@@ -91,6 +91,8 @@ PageSummaryStore::PageSummaryStore(const SummaryFormat& fmt, int n_layer, int n_
   summary_bytes_ = fmt.bytes(B_, d_);
   fast_path_ = (fmt.basis_bits == 4 || fmt.basis_bits == 8) && fmt.coef_bits == 8 && fmt.centroid_bits == 8 &&
                B_ == 16 && d_ % 8 == 0 && (fmt.rank == 4 || fmt.rank == 8 || fmt.rank == 16);
+  int_path_ =
+      fmt.basis_bits == 4 && fmt.coef_bits == 8 && fmt.centroid_bits == 8 && fmt.rank == 8 && B_ == 16 && d_ % 64 == 0;
   const size_t n = size_t(n_layer) * n_head_kv * n_pages;
   basis_ = ZeroedArray<uint8_t>(n * basis_stride_);
   basis_scale_ = ZeroedArray<f16_t>(n * r);

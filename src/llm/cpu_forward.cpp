@@ -196,8 +196,10 @@ void CpuForward::attention(int il) {
   // Alg. 2 per GQA group: select pages from the group's queries, then exact attention over them.
   const bool observed = observer_ && observer_->enabled();
   std::vector<Selection> sel(NKV);
+  std::vector<double> sel_seconds(NKV, 0.0);
   const auto t_sel = Clock::now();
   parallel_for(NKV, [&](int h) {
+    const auto t_h = Clock::now();
     SelectionRequest req;
     req.q = &q_[size_t(h) * G * HD];
     req.n_group = G;
@@ -215,6 +217,7 @@ void CpuForward::attention(int il) {
     } else {
       selector_->select(cache_, req, sel[h]);
     }
+    sel_seconds[h] = seconds_since(t_h);
   });
   const auto t_att = Clock::now();
   parallel_for(NKV, [&](int h) {
@@ -222,7 +225,12 @@ void CpuForward::attention(int il) {
                            &att_[size_t(h) * G * HD], nullptr);
   });
   if (totals_) {
-    totals_->select_seconds += std::chrono::duration<double>(t_att - t_sel).count();
+    const double select_wall = std::chrono::duration<double>(t_att - t_sel).count();
+    totals_->select_seconds += select_wall;
+    // The score pass's share of the heads' select time, applied to the wall time (heads run in parallel).
+    double busy = 0, scoring = 0;
+    for (int h = 0; h < NKV; ++h) busy += sel_seconds[h], scoring += sel[h].score_seconds;
+    if (busy > 0) totals_->score_seconds += select_wall * std::min(1.0, scoring / busy);
     totals_->attend_seconds += seconds_since(t_att);
   }
   if (observed) {

@@ -1,6 +1,7 @@
 // `locks`: Algorithm 2. Score every page from its summary alone (Eq. 4), per-head shares, GQA group
 // average (Eq. 5), keep sink + recent + top-(k-2).
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <vector>
 
@@ -23,17 +24,31 @@ void LocksSelector::do_on_pages_filled(const PagedKvCache& cache, int il, std::s
 
 void LocksSelector::do_select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out) {
   const auto& cfg = cache.config();
-  const int d = cfg.head_dim, B = cfg.page_size, n_pages = req.seq->n_pages();
+  const int d = cfg.head_dim, B = cfg.page_size, n_pages = req.seq->n_pages(), G = req.n_group;
   const float scale = 1.0f / std::sqrt(float(d));
-  std::vector<float> log_mass(size_t(req.n_group) * n_pages);  // [G][n_pages]
-  size_t bytes = 0;
-  std::vector<float> tmp(size_t(req.n_group)), keys;
-  for (int j = 0; j < n_pages; ++j) {
+  const auto t0 = std::chrono::steady_clock::now();
+  // select() runs concurrently for a layer's KV heads: per-call buffers are thread-local, not members.
+  thread_local std::vector<float> log_mass, keys;
+  thread_local std::vector<int32_t> ids;
+  log_mass.resize(size_t(G) * n_pages);  // [G][n_pages]
+  // Pages with a summary: a prefix of the page table in a decode (every full page), scored in one
+  // stream straight into log_mass; the rest (the partial recent page) from their keys.
+  int n_scored = 0;
+  ids.clear();
+  while (n_scored < n_pages && page_tokens(*req.seq, n_scored, B) == B &&
+         store_.has(req.il, req.kv_head, req.seq->page_table[n_scored]))
+    ids.push_back(req.seq->page_table[n_scored++]);
+  store_.score_pages(req.il, req.kv_head, ids, req.q, G, scale, log_mass.data(), size_t(n_pages));  // Eq. 4
+  size_t bytes = size_t(n_scored) * store_.summary_bytes();
+  for (int j = n_scored; j < n_pages; ++j) {
     const int32_t page = req.seq->page_table[j];
     if (store_.has(req.il, req.kv_head, page) && page_tokens(*req.seq, j, B) == B) {
-      store_.score(req.il, req.kv_head, page, req.q, req.n_group, scale, tmp.data());  // Eq. 4
+      float tmp[1];
+      for (int g = 0; g < G; ++g) {
+        store_.score(req.il, req.kv_head, page, req.q + size_t(g) * d, 1, scale, tmp);
+        log_mass[size_t(g) * n_pages + j] = tmp[0];
+      }
       bytes += store_.summary_bytes();
-      for (int g = 0; g < req.n_group; ++g) log_mass[size_t(g) * n_pages + j] = tmp[g];
     } else {
       // The partial recent page has no summary yet: its exact log-mass (<= B-1 keys, which
       // attention reads anyway) keeps the per-head share normalisation honest.
@@ -41,14 +56,15 @@ void LocksSelector::do_select(const PagedKvCache& cache, const SelectionRequest&
       keys.resize(size_t(B) * d);
       cache.k_page_f32(req.il, page, req.kv_head, keys.data());
       bytes += cache.kv_bytes(n_tok) / 2;
-      for (int g = 0; g < req.n_group; ++g)
+      for (int g = 0; g < G; ++g)
         log_mass[size_t(g) * n_pages + j] = exact_log_mass(keys.data(), n_tok, req.q + size_t(g) * d, d, scale);
     }
   }
-  select_top_pages(log_mass.data(), req.n_group, n_pages, req.budget_pages, rule_, out.pages);
+  out.score_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  select_top_pages(log_mass.data(), G, n_pages, req.budget_pages, rule_, out.pages);
   out.bytes_read = bytes;
   out.all_pages = int(out.pages.size()) == n_pages;
-  if (req.want_estimates) out.log_mass = std::move(log_mass);
+  if (req.want_estimates) out.log_mass.assign(log_mass.begin(), log_mass.end());
 }
 
 bool LocksSelector::reconstruct_keys(int il, int kv_head, int32_t page, float* out) const {

@@ -40,12 +40,27 @@ void select_top_pages(const float* log_mass, int n_group, int n_pages, int budge
         "select_top_pages: {} for {} pages",
         !log_mass ? std::string("no log-mass estimates (null)") : fmt::format("GQA group of {} heads", n_group),
         n_pages));
-  for (size_t i = 0; i < size_t(n_group) * n_pages; ++i)  // -inf (no mass) is valid; NaN and +inf are not
-    if (std::isnan(log_mass[i]) || log_mass[i] == std::numeric_limits<float>::infinity())
-      throw std::invalid_argument(fmt::format("select_top_pages: log-mass {} at head {}, page {}", log_mass[i],
-                                              i / size_t(n_pages), i % size_t(n_pages)));
+  // One pass per head: validity (-inf, no mass, is valid; NaN and +inf are not) and the head's max.
+  thread_local std::vector<float> score, share, head_max;
+  head_max.resize(n_group);
+  bool any_neg_inf = false;
+  for (int g = 0; g < n_group; ++g) {
+    const float* lm = log_mass + size_t(g) * n_pages;
+    float mx = kNegInf;
+    bool bad = false;
+    for (int j = 0; j < n_pages; ++j) {
+      bad |= !(lm[j] < std::numeric_limits<float>::infinity());  // NaN or +inf
+      any_neg_inf |= lm[j] == kNegInf;
+      mx = std::max(mx, lm[j]);
+    }
+    if (bad)
+      for (int j = 0; j < n_pages; ++j)
+        if (std::isnan(lm[j]) || lm[j] == std::numeric_limits<float>::infinity())
+          throw std::invalid_argument(fmt::format("select_top_pages: log-mass {} at head {}, page {}", lm[j], g, j));
+    head_max[g] = mx;
+  }
   const int k = std::max(budget_pages, 2);
-  std::vector<float> score(n_pages, 0.0f), share;
+  score.assign(n_pages, 0.0f);
   // Per-head shares m_g(j) = softmax_j(log_mass[g][j]) (Eq. 5), combined across the group.
   for (int g = 0; g < n_group; ++g) {
     const float* lm = log_mass + size_t(g) * n_pages;
@@ -53,7 +68,7 @@ void select_top_pages(const float* log_mass, int n_group, int n_pages, int budge
       for (int j = 0; j < n_pages; ++j) score[j] += lm[j];
       continue;
     }
-    const float mx = max_of(lm, n_pages);
+    const float mx = head_max[g];
     if (mx == kNegInf) continue;  // head with no finite estimate contributes no share
     share.assign(lm, lm + n_pages);
     const float inv_z = 1.0f / exp_shift_sum(share.data(), n_pages, mx);  // -inf -> share 0
@@ -69,12 +84,13 @@ void select_top_pages(const float* log_mass, int n_group, int n_pages, int budge
       if (std::isnan(score[j])) score[j] = kNegInf;
   // A page no head could estimate (-inf everywhere) ranks below every finite page, even one whose
   // share underflowed to 0.
-  for (int j = 0; j < n_pages; ++j) {
-    bool finite = false;
-    for (int g = 0; g < n_group && !finite; ++g) finite = log_mass[size_t(g) * n_pages + j] > kNegInf;
-    if (!finite) score[j] = rule == GroupRule::kMassSum ? kNegInf : -1.0f;
-  }
-  if (scores_out) *scores_out = score;
+  if (any_neg_inf)
+    for (int j = 0; j < n_pages; ++j) {
+      bool finite = false;
+      for (int g = 0; g < n_group && !finite; ++g) finite = log_mass[size_t(g) * n_pages + j] > kNegInf;
+      if (!finite) score[j] = rule == GroupRule::kMassSum ? kNegInf : -1.0f;
+    }
+  if (scores_out) scores_out->assign(score.begin(), score.end());
 
   if (n_pages <= k) {
     out.resize(n_pages);
@@ -82,7 +98,8 @@ void select_top_pages(const float* log_mass, int n_group, int n_pages, int budge
     return;
   }
   // Sink (page 0) and recent (last page) always; the rest by combined score, ties to lower index.
-  std::vector<int32_t> cand(n_pages - 2);
+  thread_local std::vector<int32_t> cand;
+  cand.resize(n_pages - 2);
   std::iota(cand.begin(), cand.end(), 1);
   auto better = [&](int32_t a, int32_t b) { return score[a] > score[b] || (score[a] == score[b] && a < b); };
   std::nth_element(cand.begin(), cand.begin() + (k - 2), cand.end(), better);
