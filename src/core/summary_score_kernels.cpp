@@ -322,6 +322,12 @@ LOCKS_TARGET_AVX2 void score_pages_avx2(const PreparedQueries& pq, const HeadRec
 
 // ---- AVX-512 VNNI --------------------------------------------------------------------------------
 
+// One rank's 16 int8 coefficients as floats times their token scales (a lambda would not inherit the
+// function's target attribute where the build's baseline lacks AVX-512).
+LOCKS_TARGET_VNNI inline __m512 rank_row(__m128i b, __m512 cs) {
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), cs);
+}
+
 template <int U>
 LOCKS_TARGET_VNNI void score_pages_vnni(const PreparedQueries& pq, const HeadRecords& rec, const int32_t* pages,
                                         int n_pages, float scale, float* out, size_t out_stride, float* head_max) {
@@ -368,11 +374,11 @@ LOCKS_TARGET_VNNI void score_pages_vnni(const PreparedQueries& pq, const HeadRec
     const __m512i ca = _mm512_loadu_si512(coef), cb = _mm512_loadu_si512(coef + 64);
     const __m512i t0 = _mm512_permutex2var_epi8(ca, tr0, cb), t1 = _mm512_permutex2var_epi8(ca, tr1, cb);
     const __m512 cs = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec.coef_scale + p * kB)));
-    const auto rank_row = [&](__m128i b) { return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), cs); };
-    const __m512 ct[kR] = {rank_row(_mm512_castsi512_si128(t0)),       rank_row(_mm512_extracti32x4_epi32(t0, 1)),
-                           rank_row(_mm512_extracti32x4_epi32(t0, 2)), rank_row(_mm512_extracti32x4_epi32(t0, 3)),
-                           rank_row(_mm512_castsi512_si128(t1)),       rank_row(_mm512_extracti32x4_epi32(t1, 1)),
-                           rank_row(_mm512_extracti32x4_epi32(t1, 2)), rank_row(_mm512_extracti32x4_epi32(t1, 3))};
+    const __m512 ct[kR] = {
+        rank_row(_mm512_castsi512_si128(t0), cs),       rank_row(_mm512_extracti32x4_epi32(t0, 1), cs),
+        rank_row(_mm512_extracti32x4_epi32(t0, 2), cs), rank_row(_mm512_extracti32x4_epi32(t0, 3), cs),
+        rank_row(_mm512_castsi512_si128(t1), cs),       rank_row(_mm512_extracti32x4_epi32(t1, 1), cs),
+        rank_row(_mm512_extracti32x4_epi32(t1, 2), cs), rank_row(_mm512_extracti32x4_epi32(t1, 3), cs)};
     for (int g0 = 0; g0 < G; g0 += 8) {
       alignas(32) float a[8];
       _mm256_store_ps(a, centroid_dots<U>(pq, pf, g0));
