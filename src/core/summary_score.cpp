@@ -36,20 +36,6 @@ const std::array<float, 512> kNibbleLut = [] {
   return t;
 }();
 
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline float hmax8(__m256 v) {
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_max_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
-}
-
 // Eq. 4 for a GQA group over one page in the shipped format (int4/int8 basis codes, int8
 // coefficients and centroid, B = 16): codes become floats once per page, scales are applied after
 // the dot products, and the 16 token logits of a head are two AVX registers.
