@@ -340,7 +340,7 @@ void bench_model(const BenchArgs& a) {
 }
 
 // ---- CUDA (`--device cuda`) ----
-// The GPU benchmark (src/cuda/bench_cuda.cu): issue 3's shapes by default; --contexts / --kv-heads /
+// The GPU benchmark (src/cuda/bench_cuda.cu): the paper's model shapes by default; --contexts / --kv-heads /
 // --group / --head-dim given explicitly select one custom shape instead.
 int bench_cuda(const BenchArgs& a, bool custom_shape, bool budget_given, bool runs_given) {
 #ifdef LOCKS_WITH_CUDA
