@@ -478,7 +478,12 @@ Runner add_bench(CLI::App& app) {
                      "cpu: llama.cpp's llama-bench binary; runs it on the same model and context (-p 0 -n 64 -d "
                      "<context> -t <threads>, flash-attn off and on) alternating with our engine, and prints the "
                      "ratios")
-          ->check(CLI::ExistingFile)};
+          ->check(CLI::ExistingFile)
+          ->check(CLI::Validator(
+              [](std::string& p) -> std::string {
+                return ::access(p.c_str(), X_OK) == 0 ? "" : "'" + p + "' is not an executable file";
+              },
+              "EXECUTABLE"))};
   return [a, o_ctx, o_kv, o_grp, o_hd, o_bud, o_runs, cuda_only, cpu_only, &app_ref = app] {
     if (a->budget % 16 != 0)
       throw CLI::ValidationError("--budget", fmt::format("{} is not a multiple of the page size 16", a->budget));

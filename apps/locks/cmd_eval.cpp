@@ -122,7 +122,7 @@ Runner add_eval(CLI::App& app) {
                 fmt::format("selectors '{}' and '{}' are the same configuration", other.label, s));
         specs.push_back(spec);
         if (const std::string why = device_refusal(cfg.device, spec.name, spec.opts); !why.empty())
-          throw std::invalid_argument(fmt::format("selector '{}': {}", s, why));
+          throw std::invalid_argument(why);
         try {
           spec.opts.summary.validate(16, 64);
         } catch (const std::invalid_argument& e) {

@@ -137,6 +137,8 @@ int run(const RunArgs& a) {
   Session session(model, sc);  // before tokenizing: a context or budget it refuses is refused at once
   const std::vector<int32_t> ids = a.chat ? chat_prompt(model.tokenizer, prompt, a.system)
                                           : model.tokenizer.encode(prompt, model.tokenizer.add_bos());
+  if (ids.empty())
+    throw std::invalid_argument("the prompt is empty and this model's vocabulary adds no BOS token: give some text");
 
   GenerateOptions go;
   go.max_tokens = a.max_tokens;
@@ -270,7 +272,7 @@ Runner add_run(CLI::App& app) {
       ->check(CLI::IsMember({"f16", "f32", "bf16"}));
   app.add_option("--device", a->device,
                  "where the model runs: cpu, or cuda (the whole model on the GPU; selectors "
-                 "full and locks)")
+                 "full, locks and oracle)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
   CLI::Option* weights_opt =
@@ -299,6 +301,8 @@ Runner add_run(CLI::App& app) {
     a->basis_bits_given = basis_opt->count() > 0;
     a->group_rule_given = rule_opt->count() > 0;
     if (system_opt->count() > 0 && !a->chat) throw CLI::ValidationError("--system", "applies with --chat");
+    if (a->chat && prompt_opt->count() == 0 && a->prompt_file.empty())
+      throw CLI::ValidationError("--chat", "give the user's message with -p TEXT or -f FILE");
     if (logprobs_opt->count() > 0 && !a->json) throw CLI::ValidationError("--top-logprobs", "applies with --json");
     if (!std::isfinite(a->temperature)) throw CLI::ValidationError("--temperature", "must be a finite number");
     if (!(a->top_p > 0.0f && a->top_p <= 1.0f)) throw CLI::ValidationError("--top-p", "must be in (0, 1]");

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <stdexcept>
 
@@ -30,6 +31,8 @@ constexpr size_t kMaxTextBytes = size_t(256) << 20;
 
 // The GGUF reader takes GGUF only; an xz-compressed file (as ../shared ships vocabularies) gets a hint.
 void refuse_xz(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) return;  // (a FIFO would block here) GgufFile::open names it
   std::ifstream in(path, std::ios::binary);
   char magic[6] = {};
   if (in.read(magic, sizeof magic) && std::string_view(magic, 6) == std::string_view("\xFD"

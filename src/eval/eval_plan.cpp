@@ -129,7 +129,7 @@ EvalPlan plan_eval(const EvalConfig& cfg, const std::function<void(const std::st
   for (const auto& s : cfg.selectors) plan.specs.push_back(parse_selector_spec(s, cfg.summary));
   for (const auto& s : plan.specs)
     if (const std::string why = device_refusal(cfg.device, s.name, s.opts); !why.empty())
-      throw std::invalid_argument(fmt::format("selector '{}': {}", s.label, why));
+      throw std::invalid_argument(why);
 
   plan.model = LlamaModel::load(cfg.model_path);
   const LlamaModel& model = plan.model;
