@@ -42,10 +42,16 @@ struct LlamaHparams {
   int n_group() const { return n_head / n_head_kv; }  // G
 };
 
-/// Row-major float32 matrix [rows][cols]; y = W x multiplies rows by x.
+/// Row-major float32 matrix [rows][cols]; y = W x multiplies rows by x. A tensor the file stores as
+/// Q8_0 also keeps its codes: q8 [rows][cols] int8 and q8_scale [rows][cols / 32] float32, with
+/// data[r][c] == q8[r][c] * q8_scale[r][c / 32] exactly; the CPU decode step reads those (a quarter
+/// of the bytes), prefill and the GPU upload read `data`.
 struct Matrix {
   int rows = 0, cols = 0;
   std::vector<float> data;
+  std::vector<int8_t> q8;
+  std::vector<float> q8_scale;
+  bool has_q8() const { return !q8.empty(); }
 };
 
 struct LlamaLayer {
@@ -74,7 +80,8 @@ class LlamaModel {
   static LlamaModel load(const std::string& path, const ModelLoadOptions& opts = {});
   /// The same from a parsed file (the memory check included).
   static LlamaModel from_gguf(const GgufFile& gguf, const ModelLoadOptions& opts = {});
-  /// Bytes the weights of `gguf` take once dequantized (every tensor as float32): what loading needs.
+  /// Bytes the weights of `gguf` take once loaded (every tensor as float32; Q8_0 tensors also keep
+  /// their codes, counted as 2 bytes per weight): what loading needs.
   static uint64_t weight_bytes(const GgufFile& gguf);
 
   LlamaHparams hp;

@@ -1,6 +1,7 @@
-// ForwardOps on the CPU (include/locks/forward.h): float32 weights, the paged KV cache in host
-// memory, Eigen products parallel over OpenMP threads, and decode attention through a Selector
-// (Alg. 2): select the pages of each GQA group, then exact attention over them.
+// ForwardOps on the CPU (include/locks/forward.h): float32 weights (a decode step reads Q8_0 codes
+// where the file has them), the paged KV cache in host memory, Eigen products parallel over OpenMP
+// threads, and decode attention through a Selector (Alg. 2): select the pages of each GQA group,
+// then exact attention over them.
 #pragma once
 
 #include <memory>

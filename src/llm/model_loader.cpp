@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <new>
@@ -13,6 +14,7 @@
 #include <system_error>
 
 #include "locks/model.h"
+#include "locks/quant.h"
 
 namespace locks {
 
@@ -23,7 +25,18 @@ Matrix load_matrix(const GgufFile& f, const std::string& name, int rows, int col
   if (t.ne.size() != 2 || t.ne[0] != uint64_t(cols) || t.ne[1] != uint64_t(rows))
     throw std::runtime_error(fmt::format("GGUF '{}': tensor '{}' has shape [{}], expected [{}, {}]", f.name(), name,
                                          fmt::join(t.ne, ", "), cols, rows));
-  return Matrix{rows, cols, f.dequantize(t)};
+  Matrix m{rows, cols, f.dequantize(t), {}, {}};
+  if (t.type == uint32_t(GgmlType::Q8_0)) {  // {f16 d, int8 qs[32]} per block, rows whole blocks (ggml)
+    const size_t n_blocks = size_t(rows) * (cols / 32);
+    m.q8.resize(size_t(rows) * cols);
+    m.q8_scale.resize(n_blocks);
+    for (size_t b = 0; b < n_blocks; ++b) {
+      const uint8_t* src = t.data + b * 34;
+      m.q8_scale[b] = f16_to_f32(uint16_t(src[0] | (src[1] << 8)));
+      std::memcpy(&m.q8[b * 32], src + 2, 32);
+    }
+  }
+  return m;
 }
 
 std::vector<float> load_vector(const GgufFile& f, const std::string& name, int n) {
@@ -63,7 +76,9 @@ uint64_t LlamaModel::weight_bytes(const GgufFile& f) {
   uint64_t n = 0;
   for (const GgufTensorInfo& t : f.tensors()) {
     uint64_t b = 0;  // saturates: a hostile header must not wrap to a small size
-    if (__builtin_mul_overflow(t.n_elements, sizeof(float), &b) || __builtin_add_overflow(n, b, &n)) return UINT64_MAX;
+    // Q8_0 tensors keep their codes too: a byte per weight and a float per 32 beside the f32 copy.
+    const uint64_t per_weight = t.type == uint32_t(GgmlType::Q8_0) ? sizeof(float) + 2 : sizeof(float);
+    if (__builtin_mul_overflow(t.n_elements, per_weight, &b) || __builtin_add_overflow(n, b, &n)) return UINT64_MAX;
   }
   return n;
 }
