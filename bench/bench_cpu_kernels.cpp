@@ -11,6 +11,7 @@
 #include "locks/attention.h"
 #include "locks/kv_cache.h"
 #include "locks/page_summary.h"
+#include "locks/selector.h"
 
 namespace {
 
@@ -55,7 +56,7 @@ BENCHMARK(BM_ScorePages)->Arg(64)->Arg(128);
 // The streamed score pass (score_pages) over the same 4096 pages, per kernel: 0 portable, 1 AVX2,
 // 2 AVX-512 VNNI (skipped where the CPU lacks it).
 void BM_ScorePass(benchmark::State& state) {
-  const int d = int(state.range(0)), G = 4, n_pages = 4096;
+  const int d = int(state.range(0)), G = 4, n_pages = int(state.range(2));
   const locks::ScoreKernel kernels[] = {locks::ScoreKernel::kPortable, locks::ScoreKernel::kAvx2,
                                         locks::ScoreKernel::kAvx512Vnni};
   const locks::ScoreKernel kernel = kernels[state.range(1)];
@@ -81,7 +82,21 @@ void BM_ScorePass(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * n_pages);
   state.SetBytesProcessed(state.iterations() * n_pages * int64_t(store.summary_bytes()));
 }
-BENCHMARK(BM_ScorePass)->ArgsProduct({{64, 128}, {0, 1, 2}});
+BENCHMARK(BM_ScorePass)->ArgsProduct({{64, 128}, {0, 1, 2}, {4096, 16384}});
+
+// Alg. 2 lines 6-9 for a G = 4 group over 1020 pages (16K tokens), budget 32 pages.
+void BM_SelectTopPages(benchmark::State& state) {
+  const int G = 4, n_pages = 1020;
+  auto lm = gaussian(size_t(G) * n_pages, 4);
+  for (float& v : lm) v *= 3.0f;
+  std::vector<int32_t> out;
+  for (auto _ : state) {
+    locks::select_top_pages(lm.data(), G, n_pages, 32, locks::GroupRule::kShareAverage, out);
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.SetItemsProcessed(state.iterations() * n_pages);
+}
+BENCHMARK(BM_SelectTopPages);
 
 // Exact decode attention of a G = 4 group over 1024 f16 pages.
 void BM_DecodeAttention(benchmark::State& state) {

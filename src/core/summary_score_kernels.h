@@ -3,7 +3,9 @@
 // int4 basis meets 21-bit query codes as integers (AVX2 maddubs/madd, AVX-512 VNNI dpbusd, or plain
 // C++), so only the query's rounding (half a code step, 2^-21 of its largest element) separates
 // V^T q from Eq. 4 on the stored summary; the centroid term, the 16 token logits and their
-// log-sum-exp are float32 as in PageSummaryStore::score.
+// log-sum-exp are float32 as in PageSummaryStore::score. The VNNI kernel scores four heads per page
+// together, keeps each basis column in its own lanes (no horizontal sums), and sums the tokens'
+// powers of two without a max shift unless the sum leaves the normal range.
 #pragma once
 
 #include <cstddef>
@@ -17,16 +19,17 @@ namespace locks::score_kernels {
 
 /// Query codes of a GQA group: q_g ~= qscale[g] * code[g][c] with |code| <= kQMax, split as
 /// 2^14 hi + 2^7 mid + lo (hi in [-64, 63], mid and lo in [0, 127]: int8 operands) in the int4
-/// basis's nibble order.
+/// basis's nibble order. Every per-head array is padded with zero queries to a multiple of 4 heads.
 struct PreparedQueries {
   static constexpr int kQMax = (1 << 20) - 1;
   static constexpr int kParts = 6;  // hi, mid, lo of the even and the odd channels
   int n_group = 0, d = 0;
-  std::vector<float> q;       // [G][d] the queries as given (the centroid term)
-  std::vector<int32_t> code;  // [G][d]
-  std::vector<int8_t> split;  // [G][d / 64][kParts][32]: hi, mid, lo, each of the even then the odd channels
-  std::vector<int32_t> qsum;  // [G] sum_c code (the offset-binary nibbles' correction)
-  std::vector<float> qscale;  // [G]
+  std::vector<float> q;        // [G][d] the queries as given (the centroid term)
+  std::vector<int32_t> code;   // [G][d]
+  std::vector<int8_t> split;   // [G][d / 64][kParts][32]: hi, mid, lo, each of the even then the odd channels
+  std::vector<int32_t> qsum;   // [G] sum_c code (the offset-binary nibbles' correction)
+  std::vector<float> qscale;   // [G]
+  std::vector<int64_t> bcast;  // [G][d / 16][3 levels][even, odd]: 8 bytes of parts (see prepare_queries)
 };
 
 /// q: [n_group][d] float32, finite; d a multiple of 64.

@@ -208,8 +208,10 @@ void CpuForward::attention(int il) {
   // Alg. 2 per GQA group: select pages from the group's queries, then exact attention over them.
   const bool observed = observer_ && observer_->enabled();
   std::vector<Selection> sel(NKV);
-  std::vector<double> sel_seconds(NKV, 0.0);
-  const auto t_sel = Clock::now();
+  std::vector<double> sel_seconds(NKV, 0.0), att_seconds(NKV, 0.0);
+  const auto t0 = Clock::now();
+  // Each KV head selects then attends in one task: its attention needs only its own selection, so
+  // there is no barrier between the two.
   parallel_for(NKV, [&](int h) {
     const auto t_h = Clock::now();
     SelectionRequest req;
@@ -229,21 +231,23 @@ void CpuForward::attention(int il) {
     } else {
       selector_->select(cache_, req, sel[h]);
     }
-    sel_seconds[h] = seconds_since(t_h);
-  });
-  const auto t_att = Clock::now();
-  parallel_for(NKV, [&](int h) {
+    const auto t_att = Clock::now();
+    sel_seconds[h] = std::chrono::duration<double>(t_att - t_h).count();
     paged_decode_attention(cache_, il, h, seq_, sel[h].pages, &q_[size_t(h) * G * HD], G, scale,
                            &att_[size_t(h) * G * HD], nullptr);
+    att_seconds[h] = seconds_since(t_att);
   });
   if (totals_) {
-    const double select_wall = std::chrono::duration<double>(t_att - t_sel).count();
-    totals_->select_seconds += select_wall;
-    // The score pass's share of the heads' select time, applied to the wall time (heads run in parallel).
-    double busy = 0, scoring = 0;
-    for (int h = 0; h < NKV; ++h) busy += sel_seconds[h], scoring += sel[h].score_seconds;
-    if (busy > 0) totals_->score_seconds += select_wall * std::min(1.0, scoring / busy);
-    totals_->attend_seconds += seconds_since(t_att);
+    // The heads' busy time split into score / select / attend, applied to the wall time.
+    const double wall = seconds_since(t0);
+    double selecting = 0, attending = 0, scoring = 0;
+    for (int h = 0; h < NKV; ++h)
+      selecting += sel_seconds[h], attending += att_seconds[h], scoring += sel[h].score_seconds;
+    if (const double busy = selecting + attending; busy > 0) {
+      totals_->select_seconds += wall * selecting / busy;
+      totals_->score_seconds += wall * std::min(selecting, scoring) / busy;
+      totals_->attend_seconds += wall * attending / busy;
+    }
   }
   if (observed) {
     parallel_for(NKV, [&](int h) {

@@ -41,7 +41,11 @@ LOCKS_TARGET_AVX512 float row_avx512(const int8_t* q, const float* s, const floa
     const __m512 p = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(w0, _mm512_loadu_ps(xb)));
     acc[b & 1] = _mm512_fmadd_ps(p, _mm512_set1_ps(s[b]), acc[b & 1]);
   }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+  // Through memory, once per row: the 512-bit reduce intrinsics trip GCC 12's -Wuninitialized in
+  // a function whose target attribute adds AVX-512 to an AVX2 build.
+  alignas(64) float t[16];
+  _mm512_store_ps(t, _mm512_add_ps(acc[0], acc[1]));
+  return hsum8(_mm256_add_ps(_mm256_load_ps(t), _mm256_load_ps(t + 8)));
 }
 
 }  // namespace

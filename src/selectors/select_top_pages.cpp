@@ -1,5 +1,6 @@
 // Alg. 2 lines 6-9: shares, group rule, sink + recent + top-(k-2).
 #include <fmt/format.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -46,17 +47,28 @@ void select_top_pages(const float* log_mass, int n_group, int n_pages, int budge
   bool any_neg_inf = false;
   for (int g = 0; g < n_group; ++g) {
     const float* lm = log_mass + size_t(g) * n_pages;
-    float mx = kNegInf;
-    bool bad = false;
-    for (int j = 0; j < n_pages; ++j) {
-      bad |= !(lm[j] < std::numeric_limits<float>::infinity());  // NaN or +inf
+    // Eight lanes at a time: NaN or +inf (not less than +inf, unordered included), -inf, the max.
+    const __m256 pinf = _mm256_set1_ps(std::numeric_limits<float>::infinity()), ninf = _mm256_set1_ps(kNegInf);
+    __m256 vmax = ninf, vbad = _mm256_setzero_ps(), vneg = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 8 <= n_pages; j += 8) {
+      const __m256 x = _mm256_loadu_ps(lm + j);
+      vbad = _mm256_or_ps(vbad, _mm256_cmp_ps(x, pinf, _CMP_NLT_UQ));
+      vneg = _mm256_or_ps(vneg, _mm256_cmp_ps(x, ninf, _CMP_EQ_OQ));
+      vmax = _mm256_max_ps(vmax, x);
+    }
+    float mx = hmax8(vmax);
+    bool bad = _mm256_movemask_ps(vbad) != 0;
+    any_neg_inf |= _mm256_movemask_ps(vneg) != 0;
+    for (; j < n_pages; ++j) {
+      bad |= !(lm[j] < std::numeric_limits<float>::infinity());
       any_neg_inf |= lm[j] == kNegInf;
       mx = std::max(mx, lm[j]);
     }
     if (bad)
-      for (int j = 0; j < n_pages; ++j)
-        if (std::isnan(lm[j]) || lm[j] == std::numeric_limits<float>::infinity())
-          throw std::invalid_argument(fmt::format("select_top_pages: log-mass {} at head {}, page {}", lm[j], g, j));
+      for (int i = 0; i < n_pages; ++i)
+        if (std::isnan(lm[i]) || lm[i] == std::numeric_limits<float>::infinity())
+          throw std::invalid_argument(fmt::format("select_top_pages: log-mass {} at head {}, page {}", lm[i], g, i));
     head_max[g] = mx;
   }
   const int k = std::max(budget_pages, 2);
