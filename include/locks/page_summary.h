@@ -85,6 +85,9 @@ class PageSummaryStore {
   /// Throws std::invalid_argument when a scale would overflow f16 (|key| beyond ~1e6).
   void store(int il, int kv_head, int32_t page, const PageSummaryF32& s);
   bool has(int il, int kv_head, int32_t page) const { return valid_[index(il, kv_head, page)] != 0; }
+  /// How many of `pages`, from the first, have a summary for (il, kv_head): one pass for a whole
+  /// page table. Throws std::out_of_range as index() does for a page id outside the pool.
+  size_t stored_prefix(int il, int kv_head, std::span<const int32_t> pages) const;
   void clear(int il, int kv_head, int32_t page) { valid_[index(il, kv_head, page)] = 0; }
   /// Dequantized copy (for tests and diagnostics).
   PageSummaryF32 load(int il, int kv_head, int32_t page) const;

@@ -206,8 +206,9 @@ void PageSummaryStore::score_pages(int il, int kv_head, std::span<const int32_t>
   if (const std::ptrdiff_t i = first_non_finite(q, size_t(n_group) * d_); i >= 0)
     throw std::invalid_argument(fmt::format("score_pages: non-finite query at head {}, dim {}", i / d_, i % d_));
   if (head_max) std::fill(head_max, head_max + n_group, kNegInf);
-  for (const int32_t page : pages) (void)stored_index(il, kv_head, page);  // every page stored
-  if (!int_path_) {  // other formats: page by page through score()
+  if (const size_t n = stored_prefix(il, kv_head, pages); n < pages.size())
+    (void)stored_index(il, kv_head, pages[n]);  // throws, naming the first page without a summary
+  if (!int_path_) {                             // other formats: page by page through score()
     float tmp[kMaxGroup];
     for (size_t j = 0; j < pages.size(); ++j)
       for (int g0 = 0; g0 < n_group; g0 += kMaxGroup) {

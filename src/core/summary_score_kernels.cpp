@@ -10,6 +10,7 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "core/summary_limits.h"
 #include "locks/math.h"
 
 #define LOCKS_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -367,6 +368,45 @@ LOCKS_TARGET_VNNI inline __m128 hsum4x16(__m512 a, __m512 b, __m512 c, __m512 d)
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+// fast_log8 (above) on sixteen lanes of positive normal floats: x = 2^e m, m in [1, 2) by getexp and
+// getmant, halved above sqrt 2; log m = 2 atanh t, t = (m - 1) / (m + 1).
+LOCKS_TARGET_VNNI inline __m512 fast_log16(__m512 x) {
+  __m512 m = _mm512_getmant_ps(x, _MM_MANT_NORM_1_2, _MM_MANT_SIGN_src), e = _mm512_getexp_ps(x);
+  const __mmask16 big = _mm512_cmp_ps_mask(m, _mm512_set1_ps(1.41421356f), _CMP_GT_OQ);
+  m = _mm512_mask_mul_ps(m, big, m, _mm512_set1_ps(0.5f));
+  e = _mm512_mask_add_ps(e, big, e, _mm512_set1_ps(1.0f));
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 t = _mm512_div_ps(_mm512_sub_ps(m, one), _mm512_add_ps(m, one)), t2 = _mm512_mul_ps(t, t);
+  __m512 p = _mm512_fmadd_ps(t2, _mm512_set1_ps(0.11111111f), _mm512_set1_ps(0.14285715f));
+  p = _mm512_fmadd_ps(t2, p, _mm512_set1_ps(0.2f));
+  p = _mm512_fmadd_ps(t2, p, _mm512_set1_ps(0.33333334f));
+  p = _mm512_fmadd_ps(t2, p, one);
+  return _mm512_fmadd_ps(e, _mm512_set1_ps(0.69314718f), _mm512_mul_ps(_mm512_add_ps(t, t), p));
+}
+
+// out[g][j] = mx[g][j] + log(out[g][j]) (out held the sums), and each head's max; sixteen at a time.
+LOCKS_TARGET_VNNI void finish_lse16(const float* mx, int G, int n, float* out, size_t out_stride, float* head_max) {
+  for (int g = 0; g < G; ++g) {
+    float* o = out + size_t(g) * out_stride;
+    const float* m = mx + size_t(g) * n;
+    __m512 hm = _mm512_set1_ps(kNegInf);
+    int j = 0;
+    for (; j + 16 <= n; j += 16) {
+      const __m512 s = _mm512_add_ps(_mm512_loadu_ps(m + j), fast_log16(_mm512_loadu_ps(o + j)));
+      _mm512_storeu_ps(o + j, s);
+      hm = _mm512_max_ps(hm, s);
+    }
+    alignas(64) float h16[16];
+    _mm512_store_ps(h16, hm);
+    float h = *std::max_element(h16, h16 + 16);
+    for (; j < n; ++j) {
+      o[j] = m[j] + fast_log(o[j]);
+      h = std::max(h, o[j]);
+    }
+    head_max[g] = std::max(head_max[g], h);
+  }
+}
+
 // One rank's 16 int8 coefficients as floats.
 LOCKS_TARGET_VNNI inline __m512 rank_row(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)); }
 
@@ -518,7 +558,7 @@ LOCKS_TARGET_VNNI void score_pages_vnni(const PreparedQueries& pq, const HeadRec
       }
     }
   }
-  finish_lse(mx, G, n_pages, out, out_stride, head_max);
+  finish_lse16(mx, G, n_pages, out, out_stride, head_max);
 }
 
 // Part `level` of a query code v = 2^14 hi + 2^7 mid + lo exactly (hi in [-64, 63], mid, lo in [0, 127]).
@@ -530,8 +570,10 @@ int8_t split_part(int32_t v, int level) {
 }  // namespace
 
 void prepare_queries(const float* q, int n_group, int d, PreparedQueries& out) {
-  if (d % 64 != 0)
-    throw std::invalid_argument(fmt::format("integer score pass: head_dim {} is not a multiple of 64", d));
+  constexpr int kMaxDim = summary_detail::kMaxHeadDim;
+  if (d % 64 != 0 || d > kMaxDim)
+    throw std::invalid_argument(
+        fmt::format("integer score pass: head_dim {} is not a multiple of 64 up to {}", d, kMaxDim));
   constexpr int P = PreparedQueries::kParts;
   out.n_group = n_group;
   out.d = d;
@@ -553,10 +595,13 @@ void prepare_queries(const float* q, int n_group, int d, PreparedQueries& out) {
     out.qscale[g] = qs;
     int32_t* code = &out.code[size_t(g) * d];
     int32_t sum = 0;
+    const double inv = 1.0 / double(qs);
+    int8_t dig[3][kMaxDim];  // each channel's three parts, computed once
     for (int c = 0; c < d; ++c) {
-      const long v = std::lrint(double(qg[c]) / qs);
+      const long v = std::lrint(double(qg[c]) * inv);
       code[c] = int32_t(std::clamp<long>(v, -PreparedQueries::kQMax, PreparedQueries::kQMax));
       sum += code[c];
+      for (int level = 0; level < 3; ++level) dig[level][c] = split_part(code[c], level);
     }
     out.qsum[g] = sum;
     // Broadcast operands: for channels 16t..16t+15, dword h of the qword holds the level's parts of
@@ -567,16 +612,14 @@ void prepare_queries(const float* q, int n_group, int d, PreparedQueries& out) {
         for (int odd = 0; odd < 2; ++odd) {
           int8_t bytes[8];
           for (int h = 0; h < 2; ++h)
-            for (int b = 0; b < 4; ++b) bytes[4 * h + b] = split_part(code[16 * t + 8 * h + 2 * b + odd], level);
+            for (int b = 0; b < 4; ++b) bytes[4 * h + b] = dig[level][16 * t + 8 * h + 2 * b + odd];
           std::memcpy(&bc[(t * 3 + level) * 2 + odd], bytes, 8);
         }
     int8_t* s = &out.split[size_t(g) * (d / 64) * 32 * P];
     for (int u = 0; u < d / 64; ++u)
-      for (int t = 0; t < 32; ++t)
-        for (int odd = 0; odd < 2; ++odd) {
-          for (int level = 0; level < 3; ++level)
-            s[(u * P + 2 * level + odd) * 32 + t] = split_part(code[64 * u + 2 * t + odd], level);
-        }
+      for (int level = 0; level < 3; ++level)
+        for (int odd = 0; odd < 2; ++odd)
+          for (int t = 0; t < 32; ++t) s[(u * P + 2 * level + odd) * 32 + t] = dig[level][64 * u + 2 * t + odd];
   }
 }
 

@@ -69,6 +69,16 @@ void PageSummaryStore::index_error(int il, int kv_head, int32_t page) const {
                   il, kv_head, page, n_layer_, n_head_kv_, n_pages_));
 }
 
+size_t PageSummaryStore::stored_prefix(int il, int kv_head, std::span<const int32_t> pages) const {
+  if (pages.empty()) return 0;
+  const uint8_t* valid = &valid_[index(il, kv_head, 0)];
+  for (size_t j = 0; j < pages.size(); ++j) {
+    if (pages[j] < 0 || pages[j] >= n_pages_) index_error(il, kv_head, pages[j]);
+    if (!valid[pages[j]]) return j;
+  }
+  return pages.size();
+}
+
 size_t PageSummaryStore::stored_index(int il, int kv_head, int32_t page) const {
   const size_t idx = index(il, kv_head, page);
   if (!valid_[idx])

@@ -33,11 +33,10 @@ void LocksSelector::do_select(const PagedKvCache& cache, const SelectionRequest&
   log_mass.resize(size_t(G) * n_pages);  // [G][n_pages]
   // Pages with a summary: a prefix of the page table in a decode (every full page), scored in one
   // stream straight into log_mass; the rest (the partial recent page) from their keys.
-  int n_scored = 0;
-  ids.clear();
-  while (n_scored < n_pages && page_tokens(*req.seq, n_scored, B) == B &&
-         store_.has(req.il, req.kv_head, req.seq->page_table[n_scored]))
-    ids.push_back(req.seq->page_table[n_scored++]);
+  const int n_full = n_pages > 0 && page_tokens(*req.seq, n_pages - 1, B) < B ? n_pages - 1 : n_pages;
+  const std::span<const int32_t> table(req.seq->page_table.data(), size_t(n_full));
+  const int n_scored = int(store_.stored_prefix(req.il, req.kv_head, table));
+  ids.assign(table.begin(), table.begin() + n_scored);
   store_.score_pages(req.il, req.kv_head, ids, req.q, G, scale, log_mass.data(), size_t(n_pages));  // Eq. 4
   size_t bytes = size_t(n_scored) * store_.summary_bytes();
   for (int j = n_scored; j < n_pages; ++j) {

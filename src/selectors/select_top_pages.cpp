@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <stdexcept>
@@ -109,16 +110,22 @@ void select_top_pages(const float* log_mass, int n_group, int n_pages, int budge
     std::iota(out.begin(), out.end(), 0);
     return;
   }
-  // Sink (page 0) and recent (last page) always; the rest by combined score, ties to lower index.
-  thread_local std::vector<int32_t> cand;
-  cand.resize(n_pages - 2);
-  std::iota(cand.begin(), cand.end(), 1);
-  auto better = [&](int32_t a, int32_t b) { return score[a] > score[b] || (score[a] == score[b] && a < b); };
-  std::nth_element(cand.begin(), cand.begin() + (k - 2), cand.end(), better);
-  out.assign(cand.begin(), cand.begin() + (k - 2));
-  out.push_back(0);
+  // Sink (page 0) and recent (last page) always; the rest by combined score, ties to lower index:
+  // the (k-2)-th best score by a selection on the values, then one scan in page order.
+  const int kk = k - 2;
+  float kth = std::numeric_limits<float>::infinity();
+  int ties = 0;
+  if (kk > 0) {
+    thread_local std::vector<float> vals;
+    vals.assign(score.begin() + 1, score.begin() + (n_pages - 1));
+    std::nth_element(vals.begin(), vals.begin() + (kk - 1), vals.end(), std::greater<float>());
+    kth = vals[size_t(kk - 1)];
+    ties = kk - int(std::count_if(score.begin() + 1, score.begin() + (n_pages - 1), [&](float v) { return v > kth; }));
+  }
+  out.assign(1, 0);
+  for (int32_t j = 1; j < n_pages - 1; ++j)
+    if (score[j] > kth || (score[j] == kth && ties-- > 0)) out.push_back(j);
   out.push_back(n_pages - 1);
-  std::sort(out.begin(), out.end());
 }
 
 }  // namespace locks
