@@ -108,6 +108,14 @@ class PageSummaryStore {
   void score_pages(int il, int kv_head, std::span<const int32_t> pages, const float* q, int n_group, float scale,
                    float* out, size_t out_stride, float* head_max = nullptr,
                    ScoreKernel kernel = ScoreKernel::kAuto) const;
+  /// A certified bound on |s_j(q) - s_hat_j(q)|: how far Eq. 4 on the stored summary of (il, kv_head,
+  /// page) may be from the exact log-mass of the keys it was built from, for q [d] float32 and logits
+  /// scaled by `scale`. From what the summary stores only: Eq. 7's spectral term ||q_perp|| sqrt(tau)
+  /// (q_perp against the page's own basis, widened by the basis rounding), plus the rounding of the
+  /// stored basis (half a step of each column's scale, or bf16's relative 2^-9), coefficients and
+  /// centroid (half a step of their int8 scales), each met with |q| (LSE is 1-Lipschitz in the
+  /// token logits), plus 1e-5 of the logits' magnitude for float rounding. Throws as load() does.
+  float log_mass_error_bound(int il, int kv_head, int32_t page, const float* q, float scale) const;
   /// Whether score_pages uses the integer kernels for this store's format and head_dim.
   bool integer_scoring() const { return int_path_; }
 
