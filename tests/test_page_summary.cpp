@@ -865,21 +865,6 @@ TEST(PageSummary, FormatBytesAndValidation) {
 }
 
 namespace {
-// Exact page log-mass in float64.
-double exact_lse64(const float* keys, int n, const float* q, int d, double scale) {
-  std::vector<double> z(n);
-  double mx = -INFINITY;
-  for (int i = 0; i < n; ++i) {
-    double a = 0;
-    for (int c = 0; c < d; ++c) a += double(q[c]) * keys[size_t(i) * d + c];
-    z[i] = a * scale;
-    mx = std::max(mx, z[i]);
-  }
-  double l = 0;
-  for (double v : z) l += std::exp(v - mx);
-  return mx + std::log(l);
-}
-
 // Stores `keys` (16 x d) in `fmt`, then for every query checks |s - s_hat| <= bound (s exact in
 // float64, s_hat the stored summary's Eq. 4); returns the largest |s - s_hat| / bound.
 double check_certified_bound(const float* keys, int d, const SummaryFormat& fmt,
@@ -891,7 +876,7 @@ double check_certified_bound(const float* keys, int d, const SummaryFormat& fmt,
   for (size_t t = 0; t < queries.size(); ++t) {
     float s_hat = 0;
     store.score(0, 0, 0, queries[t].data(), 1, scale, &s_hat);
-    const double s = exact_lse64(keys, 16, queries[t].data(), d, scale);
+    const double s = test::ref_lse(keys, 16, queries[t].data(), d, scale);
     const double bound = store.log_mass_error_bound(0, 0, 0, queries[t].data(), scale);
     EXPECT_LE(std::abs(s - s_hat), bound) << what << " " << fmt.describe() << " d=" << d << " query " << t;
     if (bound > 0) worst = std::max(worst, std::abs(s - s_hat) / bound);

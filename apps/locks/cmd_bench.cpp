@@ -190,16 +190,24 @@ std::vector<int32_t> haystack_tokens(const LlamaModel& model, int n) {
   return ids;
 }
 
-// Runs argv (no shell) as a child process and returns its standard output; its standard error is
-// discarded. Throws std::runtime_error naming the program when it cannot start or exits non-zero.
+// Runs argv (no shell) as a child process and returns its standard output; its standard error goes
+// to a temporary file, whose last line a failure quotes. Throws std::runtime_error naming the program
+// when it cannot start, exits non-zero or is killed by a signal.
 std::string run_child(const std::vector<std::string>& argv) {
   int out[2];
   if (pipe(out) != 0) throw std::runtime_error(fmt::format("cannot create a pipe for '{}'", argv[0]));
+  char err_path[] = "/tmp/locks-peer-stderr-XXXXXX";
+  const int err_fd = mkstemp(err_path);
+  if (err_fd < 0) {
+    close(out[0]), close(out[1]);
+    throw std::runtime_error(fmt::format("cannot create a file for the standard error of '{}'", argv[0]));
+  }
+  unlink(err_path);  // the descriptor keeps it until closed
   posix_spawn_file_actions_t fa;
   posix_spawn_file_actions_init(&fa);
   posix_spawn_file_actions_adddup2(&fa, out[1], STDOUT_FILENO);
   posix_spawn_file_actions_addclose(&fa, out[0]);
-  posix_spawn_file_actions_addopen(&fa, STDERR_FILENO, "/dev/null", O_WRONLY, 0);
+  posix_spawn_file_actions_adddup2(&fa, err_fd, STDERR_FILENO);
   std::vector<char*> args;
   for (const auto& x : argv) args.push_back(const_cast<char*>(x.c_str()));
   args.push_back(nullptr);
@@ -208,7 +216,7 @@ std::string run_child(const std::vector<std::string>& argv) {
   posix_spawn_file_actions_destroy(&fa);
   close(out[1]);
   if (rc != 0) {
-    close(out[0]);
+    close(out[0]), close(err_fd);
     throw std::runtime_error(fmt::format("cannot run '{}': {}", argv[0], std::strerror(rc)));
   }
   std::string text;
@@ -217,10 +225,23 @@ std::string run_child(const std::vector<std::string>& argv) {
   close(out[0]);
   int status = 0;
   waitpid(pid, &status, 0);
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
-    throw std::runtime_error(
-        fmt::format("'{}' failed (exit status {})", argv[0], WIFEXITED(status) ? WEXITSTATUS(status) : -1));
-  return text;
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
+    close(err_fd);
+    return text;
+  }
+  // The last non-empty line of its standard error (at most 64 KiB from the end).
+  std::string err;
+  const off_t size = lseek(err_fd, 0, SEEK_END);
+  const off_t from = std::max<off_t>(0, size - 65536);
+  if (size > 0 && lseek(err_fd, from, SEEK_SET) == from)
+    for (ssize_t n; (n = read(err_fd, buf, sizeof buf)) > 0;) err.append(buf, size_t(n));
+  close(err_fd);
+  while (!err.empty() && (err.back() == '\n' || err.back() == '\r' || err.back() == ' ')) err.pop_back();
+  if (const size_t nl = err.rfind('\n'); nl != std::string::npos) err = err.substr(nl + 1);
+  const std::string why =
+      WIFSIGNALED(status) ? fmt::format("was killed by signal {} ({})", WTERMSIG(status), strsignal(WTERMSIG(status)))
+                          : fmt::format("failed (exit status {})", WEXITSTATUS(status));
+  throw std::runtime_error(fmt::format("'{}' {}{}", argv[0], why, err.empty() ? "" : ": " + err));
 }
 
 // llama.cpp's llama-bench decode speed (tokens/s) on `model` after a `depth`-token context:
@@ -238,7 +259,10 @@ double peer_decode_speed(const std::string& peer, const std::string& model, int 
   }
   if (!j.is_array() || j.empty() || !j.back().contains("avg_ts") || !j.back()["avg_ts"].is_number())
     throw std::runtime_error(fmt::format("'{}' printed no \"avg_ts\" in its JSON result", peer));
-  return j.back()["avg_ts"].get<double>();
+  const double tps = j.back()["avg_ts"].get<double>();
+  if (!(tps > 0.0) || !std::isfinite(tps))
+    throw std::runtime_error(fmt::format("'{}' reported a decode speed of {} tokens/s", peer, tps));
+  return tps;
 }
 
 // Per-step times of one engine over the rounds (seconds per step).
