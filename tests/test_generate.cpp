@@ -1,5 +1,5 @@
 // The generation loop's reported log-probabilities: top_logprobs against a float64 log-softmax of the
-// logits of a second Session fed the same tokens, and on hand-made logits.
+// logits an independent second run computes over the same tokens, and on hand-made logits.
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -125,20 +125,6 @@ LOCKS_TARGET_AVX2 inline __m256 hsum8x8_ps(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
 }
 
-LOCKS_TARGET_AVX2 inline float hsum8f(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-LOCKS_TARGET_AVX2 inline float hmax8f(__m256 v) {
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_max_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
-}
-
 // The AVX2 kernel's page in registers: coefficient rows as floats with the token scales folded in,
 // the basis column scales, and the centroid codes as floats.
 template <int U>
@@ -150,7 +136,8 @@ struct PageFloats {
 };
 
 template <int U>
-LOCKS_TARGET_AVX2 inline void load_rows(const HeadRecords& rec, size_t p, PageFloats<U>& pf) {
+LOCKS_TARGET_AVX2 inline void load_page(const HeadRecords& rec, size_t p, PageFloats<U>& pf) {
+  constexpr int d = 64 * U;
   alignas(32) float cs[kB];
   const auto* css = reinterpret_cast<const __m128i*>(rec.coef_scale + p * kB);
   _mm256_store_ps(cs, _mm256_cvtph_ps(_mm_loadu_si128(css)));
@@ -160,12 +147,6 @@ LOCKS_TARGET_AVX2 inline void load_rows(const HeadRecords& rec, size_t p, PageFl
     const __m256i c32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(coef + i * kR)));
     pf.cf[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(c32), _mm256_set1_ps(cs[i]));
   }
-}
-
-template <int U>
-LOCKS_TARGET_AVX2 inline void load_page(const HeadRecords& rec, size_t p, PageFloats<U>& pf) {
-  constexpr int d = 64 * U;
-  load_rows(rec, p, pf);
   pf.vscale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec.basis_scale + p * kR)));
   const int8_t* mu = rec.centroid + p * d;
   for (int c = 0; c < 8 * U; ++c)
@@ -198,9 +179,9 @@ LOCKS_TARGET_AVX2 inline float page_sum_exp(const PageFloats<U>& pf, __m256 w, f
   const __m256 l1 = hsum8x8_ps(p);
   const __m256 a8 = _mm256_set1_ps(af), s8 = _mm256_set1_ps(scale);
   const __m256 lo = _mm256_mul_ps(_mm256_add_ps(l0, a8), s8), hi = _mm256_mul_ps(_mm256_add_ps(l1, a8), s8);
-  mx = hmax8f(_mm256_max_ps(lo, hi));
+  mx = hmax8(_mm256_max_ps(lo, hi));
   const __m256 m8 = _mm256_set1_ps(mx);
-  return hsum8f(_mm256_add_ps(fast_exp8(_mm256_sub_ps(lo, m8)), fast_exp8(_mm256_sub_ps(hi, m8))));
+  return hsum8(_mm256_add_ps(fast_exp8(_mm256_sub_ps(lo, m8)), fast_exp8(_mm256_sub_ps(hi, m8))));
 }
 
 // fast_log (locks/math.h) on eight lanes, the same steps: exponent split, atanh series on the mantissa.
@@ -250,7 +231,7 @@ LOCKS_TARGET_AVX2 void finish_lse(const float* mx, int G, int n, float* out, siz
       _mm256_storeu_ps(o + j, s);
       hm = _mm256_max_ps(hm, s);
     }
-    float h = hmax8f(hm);
+    float h = hmax8(hm);
     for (; j < n; ++j) {
       o[j] = m[j] + fast_log(o[j]);
       h = std::max(h, o[j]);
