@@ -98,6 +98,43 @@ void BM_SelectTopPages(benchmark::State& state) {
 }
 BENCHMARK(BM_SelectTopPages);
 
+// The certified error bounds of a G = 4 group over the same pages (log_mass_error_bounds), the
+// extra work of `locks/cert=P` over the score pass.
+void BM_ErrorBounds(benchmark::State& state) {
+  const int d = int(state.range(0)), G = 4, n_pages = 4096;
+  locks::SummaryFormat fmt;
+  locks::PageSummaryStore store(fmt, 1, 1, n_pages, 16, d);
+  for (int p = 0; p < n_pages; ++p) {
+    const auto keys = gaussian(size_t(16) * d, uint32_t(p + 2));
+    store.store(0, 0, p, locks::build_page_summary(keys.data(), 16, d, fmt.rank), keys.data());
+  }
+  const auto q = gaussian(size_t(G) * d, 9);
+  std::vector<int32_t> pages(n_pages);
+  std::iota(pages.begin(), pages.end(), 0);
+  std::vector<float> out(size_t(G) * n_pages);
+  for (auto _ : state) {
+    store.log_mass_error_bounds(0, 0, pages, q.data(), G, 0.125f, out.data(), size_t(n_pages));
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.SetItemsProcessed(state.iterations() * n_pages);
+}
+BENCHMARK(BM_ErrorBounds)->Arg(64)->Arg(128);
+
+// Alg. 2 with an adaptive k (top-p, and certified with bounds of 0.3 nats) over 1020 pages.
+void BM_SelectByMass(benchmark::State& state) {
+  const int G = 4, n_pages = 1020;
+  auto lm = gaussian(size_t(G) * n_pages, 4);
+  for (float& v : lm) v *= 3.0f;
+  const std::vector<float> bound(lm.size(), 0.3f);
+  std::vector<int32_t> out;
+  for (auto _ : state) {
+    locks::select_pages_by_mass(lm.data(), state.range(0) ? bound.data() : nullptr, G, n_pages, 2, 64, 0.9, out);
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.SetItemsProcessed(state.iterations() * n_pages);
+}
+BENCHMARK(BM_SelectByMass)->Arg(0)->Arg(1);
+
 // Exact decode attention of a G = 4 group over 1024 f16 pages.
 void BM_DecodeAttention(benchmark::State& state) {
   const int d = int(state.range(0)), G = 4, T = 16 * 1024;

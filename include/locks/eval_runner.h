@@ -20,12 +20,16 @@ namespace locks {
 
 /// A selector as the evaluation names it: a registry name plus optional variant settings,
 /// written "name/key=value/...", e.g. "locks/r=4", "locks/basis=2", "locks/rule=max",
-/// "sequence-basis/rho=8". Keys: r (rank), basis (32|16|8|4|2), coef (32|8), centroid (32|8),
-/// rule (share-average|max|mass-sum), rho (shared-basis rank; 0 = matched bytes).
+/// "sequence-basis/rho=8", "locks/cert=0.9/min=64/max=1024". Keys: r (rank), basis (32|16|8|4|2),
+/// coef (32|8), centroid (32|8), rule (share-average|max|mass-sum), rho (shared-basis rank; 0 =
+/// matched bytes); for locks's adaptive budget (BudgetRule) p or cert (the target share, in (0, 1)),
+/// min (tokens kept at least) and max (tokens kept at most: the spec then runs once, at that budget,
+/// instead of at every --budgets value, which otherwise serve as its maximum).
 struct SelectorSpec {
   std::string label;  // the string as given
   std::string name;   // registry name
   SelectorOptions opts;
+  int max_tokens = 0;  // max=: the one budget an adaptive spec runs at (0: the --budgets grid)
 };
 /// Throws std::invalid_argument naming the bad key or value, or a key given twice.
 SelectorSpec parse_selector_spec(const std::string& spec, const SummaryFormat& base);
@@ -69,6 +73,11 @@ struct EvalRow {
   double read_ratio = 0;  // bytes_read / dense
   int prompt_tokens = 0;
   double decode_seconds = 0;
+  // Tokens each (layer, KV head) selection of a decode step kept (pages x page size): mean, median and
+  // 95th percentile over the fork's steps (NaN on the GPU, which does not report them); and the
+  // fraction of adaptive selections that reached their target share within the budget (NaN for a
+  // fixed budget).
+  double budget_mean = 0, budget_p50 = 0, budget_p95 = 0, mass_target_met = 0;
   // Fidelity chain at the answer steps (NaN where not applicable).
   double lse_mae = 0, logit_mae = 0, spearman = 0, coverage = 0, worst_head_coverage = 0, oracle_coverage = 0,
          output_rel_err = 0, carrier_retention = 0, carrier_retention_any = 0, carrier_obs = 0;

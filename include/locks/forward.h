@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <span>
+#include <vector>
 
 namespace locks {
 
@@ -17,6 +18,11 @@ struct DecodeTotals {
   double score_seconds = 0;   // CPU only: the part of select_seconds spent estimating page log-masses
   double attend_seconds = 0;  // CPU only: decode attention's time
   double seconds = 0;         // whole decode steps
+  /// CPU only: the (layer, KV head) selections of decode steps by how many pages each kept
+  /// (pages_kept[n] selections kept n pages), and of the adaptive ones (BudgetRule) how many ran
+  /// and how many reached their target share within the budget.
+  std::vector<int64_t> pages_kept;
+  int64_t mass_target_tried = 0, mass_target_met = 0;
 };
 
 /// The rows of one forward call. Prefill: `tokens` are consecutive positions of one sequence,

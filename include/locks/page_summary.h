@@ -81,9 +81,11 @@ class PageSummaryStore {
   const SummaryFormat& format() const { return fmt_; }
   size_t summary_bytes() const { return summary_bytes_; }
 
-  /// Quantize and store a float summary (Algorithm 1 output) for (il, kv_head, page).
+  /// Quantize and store a float summary (Algorithm 1 output) for (il, kv_head, page). With `keys`
+  /// (the page's [B][d] float32 keys it was built from) it also records the largest reconstruction
+  /// residual max_i ||k_i - k_hat_i|| of the stored form, which tightens log_mass_error_bounds.
   /// Throws std::invalid_argument when a scale would overflow f16 (|key| beyond ~1e6).
-  void store(int il, int kv_head, int32_t page, const PageSummaryF32& s);
+  void store(int il, int kv_head, int32_t page, const PageSummaryF32& s, const float* keys = nullptr);
   bool has(int il, int kv_head, int32_t page) const { return valid_[index(il, kv_head, page)] != 0; }
   /// How many of `pages`, from the first, have a summary for (il, kv_head): one pass for a whole
   /// page table. Throws std::out_of_range as index() does for a page id outside the pool.
@@ -116,6 +118,20 @@ class PageSummaryStore {
   /// centroid (half a step of their int8 scales), each met with |q| (LSE is 1-Lipschitz in the
   /// token logits), plus 1e-5 of the logits' magnitude for float rounding. Throws as load() does.
   float log_mass_error_bound(int il, int kv_head, int32_t page, const float* q, float scale) const;
+  /// A certified bound on |s_j(q) - s_hat_j(q)| for a GQA group over a list of pages of one (layer,
+  /// KV head), from per-page terms precomputed at store(). For a page stored with its keys:
+  /// scale ||q|| max_i ||k_i - k_hat_i|| (Cauchy-Schwarz on the stored form's own residual, which
+  /// holds quantization and the spectral tail together: on the reference model's pages ~3.5x tighter
+  /// than Eq. 7's form) plus log_mass_error_bound's float-rounding allowance, reading bound_bytes()
+  /// per page and no basis. For one stored without keys: log_mass_error_bound's Eq. 7 form, widened
+  /// by splitting its token maximum into page maxima (reads the basis). out[g * out_stride + j]; q:
+  /// [n_group][d] float32. Throws std::invalid_argument for n_group < 1 or out_stride <
+  /// pages.size(), and as load() for a bad or unstored page.
+  void log_mass_error_bounds(int il, int kv_head, std::span<const int32_t> pages, const float* q, int n_group,
+                             float scale, float* out, size_t out_stride) const;
+  /// Bytes of per-page terms log_mass_error_bounds reads for a page stored with its keys (the
+  /// residual maximum, ||V_hat||_F, ||mu_hat||, max_i ||c_hat_i||, tau: float32).
+  static constexpr size_t bound_bytes() { return 5 * sizeof(float); }
   /// Whether score_pages uses the integer kernels for this store's format and head_dim.
   bool integer_scoring() const { return int_path_; }
 
@@ -128,6 +144,13 @@ class PageSummaryStore {
   [[noreturn]] void index_error(int il, int kv_head, int32_t page) const;
   size_t stored_index(int il, int kv_head, int32_t page) const;  // index(), and the summary must be stored
   void dequant_basis(size_t idx, float* out) const;              // [r][d]
+  PageSummaryF32 load_at(size_t idx) const;                      // load() of a stored index
+  void store_bound_terms(size_t idx, const float* keys);         // bound_terms_ from the stored summary
+
+  // Per page, what log_mass_error_bounds needs besides the basis: e_mu + max_i sum_k (|c_ik| +
+  // e_c,i) e_k, max_i e_c,i, sum_k e_k^2, tau, ||mu||, max_i ||c_i|| (e: half a rounding step),
+  // max_i ||k_i - k_hat_i|| (+inf when stored without keys) and ||V_hat||_F.
+  static constexpr int kBoundTerms = 8;
 
   SummaryFormat fmt_;
   int n_layer_ = 0, n_head_kv_ = 0, n_pages_ = 0, B_ = 16, d_ = 0;
@@ -142,6 +165,7 @@ class PageSummaryStore {
   ZeroedArray<uint8_t> centroid_;      // [L][H][P][centroid_stride_] int8 codes or f32
   ZeroedArray<f16_t> centroid_scale_;  // [L][H][P]
   ZeroedArray<float> tail_;            // [L][H][P]
+  ZeroedArray<float> bound_terms_;     // [L][H][P][kBoundTerms]
   ZeroedArray<uint8_t> valid_;         // [L][H][P]
 };
 

@@ -25,10 +25,26 @@ enum class GroupRule {
 std::string group_rule_name(GroupRule r);
 GroupRule parse_group_rule(const std::string& s);  // "share-average" | "max" | "mass-sum"
 
+/// How many pages a step keeps. kFixed: the budget k (Alg. 2). kTopP (`locks/p=P`): sink + recent +
+/// the fewest top-ranked pages whose estimated group share (Eq. 5, share-average) reaches `mass`.
+/// kCertified (`locks/cert=P`): pages until a certified lower bound of the kept group share (from
+/// PageSummaryStore::log_mass_error_bounds) reaches `mass`, so the dropped share, and by Eq. 1 the
+/// output error (<= 2 R (1 - P)), is guaranteed. Adaptive rules keep at least `min_tokens` (rounded
+/// up to whole pages, at least 2 pages) and at most the request's budget k.
+struct BudgetRule {
+  enum class Kind { kFixed, kTopP, kCertified } kind = Kind::kFixed;
+  double mass = 0;     // P in (0, 1): the group share to reach
+  int min_tokens = 0;  // tokens kept at least (0: sink + recent)
+  bool operator==(const BudgetRule&) const = default;
+};
+/// "fixed", "p=0.9 min=64", "cert=0.95 min=0".
+std::string describe_budget_rule(const BudgetRule& r);
+
 /// What a selector is made from; each selector reads some of it (selector_inputs).
 struct SelectorOptions {
   SummaryFormat summary;  // LOCKS summary format (rank, precisions)
   GroupRule group_rule = GroupRule::kShareAverage;
+  BudgetRule budget_rule;  // `locks`: fixed k, top-p or certified
   // Baselines. `centroid` stores its mean at summary.centroid_bits; `second-moment` uses
   // summary.rank / basis_bits / centroid_bits; the shared-basis scopes store centroids and
   // coefficients at summary.centroid_bits / coef_bits.
@@ -48,6 +64,7 @@ enum SelectorInput : unsigned {
   kInputGroupRule = 1u << 5,     // group_rule
   kInputSharedRank = 1u << 6,    // shared_rank
   kInputGlobalBasis = 1u << 7,   // global_basis (an offline calibration pass: `locks eval` only)
+  kInputBudgetRule = 1u << 8,    // budget_rule
 };
 
 /// One selection request: the GQA group of KV head `kv_head` in layer `il` of sequence `seq`.
@@ -70,9 +87,12 @@ struct Selection {
   /// [n_group][n_pages] the selector's page log-mass estimates, when the request asked for them
   /// and the selector scores pages (empty for full / streaming).
   std::vector<float> log_mass;
-  /// Seconds the selector spent estimating page log-masses (Eq. 4 for `locks`), a part of its
-  /// select() time; 0 for selectors that do not report it.
+  /// Seconds the selector spent estimating page log-masses (Eq. 4 for `locks`, with the error
+  /// bounds of a certified budget), a part of its select() time; 0 for selectors that do not report it.
   double score_seconds = 0;
+  /// An adaptive budget rule's outcome: 1 when the kept pages reached the target share (estimated for
+  /// top-p, certified for cert) within the budget, 0 when the budget ran out first; -1 for a fixed k.
+  int mass_target_met = -1;
 };
 
 /// Bytes one GQA group's decode step reads: the selector's own reads plus the K/V of the selected
@@ -158,5 +178,18 @@ std::string describe_selector(const std::string& name, const SelectorOptions& op
 /// +inf estimate (named by head and page).
 void select_top_pages(const float* log_mass, int n_group, int n_pages, int budget_pages, GroupRule rule,
                       std::vector<int32_t>& out, std::vector<float>* scores_out = nullptr);
+
+/// Alg. 2 with an adaptive k (BudgetRule kTopP / kCertified). Pages rank as select_top_pages ranks
+/// them under share-average (Eq. 5); sink and recent are always kept, then the next-ranked pages
+/// until the target is met, keeping at least min_pages and at most max(max_pages, 2).
+/// Target, for the kept set S: top-p (error_bound null) the estimated group share
+///   (1/G) sum_g sum_{j in S} softmax_j(log_mass[g])  >=  mass;
+/// certified (error_bound [n_group][n_pages], |s_gj - log_mass_gj| <= error_bound_gj) the lower bound
+///   (1/G) sum_g L_g / (L_g + U_g),  L_g = sum_{j in S} e^(s_hat - beta),  U_g = sum_{j not in S} e^(s_hat + beta)
+/// of the true group share, computed in float64 (the true share is at least it for every s in the
+/// bounds). Output ascending. Returns whether the target was met within max_pages. Throws
+/// std::invalid_argument as select_top_pages, for mass outside (0, 1), or a NaN / negative bound.
+bool select_pages_by_mass(const float* log_mass, const float* error_bound, int n_group, int n_pages, int min_pages,
+                          int max_pages, double mass, std::vector<int32_t>& out);
 
 }  // namespace locks

@@ -111,11 +111,12 @@ PageSummaryStore::PageSummaryStore(const SummaryFormat& fmt, int n_layer, int n_
   centroid_ = ZeroedArray<uint8_t>(n * centroid_stride_);
   centroid_scale_ = ZeroedArray<f16_t>(n);
   tail_ = ZeroedArray<float>(n);
+  bound_terms_ = ZeroedArray<float>(n * kBoundTerms);
   valid_ = ZeroedArray<uint8_t>(n);
 }
 
 // Algorithm 1's output in the stored form (page_summary.h): V int4 per column, C int8 per row, mu int8.
-void PageSummaryStore::store(int il, int kv_head, int32_t page, const PageSummaryF32& s) {
+void PageSummaryStore::store(int il, int kv_head, int32_t page, const PageSummaryF32& s, const float* keys) {
   const size_t idx = index(il, kv_head, page);
   const int r = fmt_.rank, d = d_;
   const int n_rows = int(s.coef.size()) / r;
@@ -155,6 +156,7 @@ void PageSummaryStore::store(int il, int kv_head, int32_t page, const PageSummar
     centroid_scale_[idx] = quantize_group(s.centroid.data(), d, 8, mdst, "centroid");
   tail_[idx] = s.tail;
   valid_[idx] = 1;
+  store_bound_terms(idx, keys);
 }
 
 void PageSummaryStore::dequant_basis(size_t idx, float* out) const {
@@ -174,7 +176,10 @@ void PageSummaryStore::dequant_basis(size_t idx, float* out) const {
 }
 
 PageSummaryF32 PageSummaryStore::load(int il, int kv_head, int32_t page) const {
-  const size_t idx = stored_index(il, kv_head, page);
+  return load_at(stored_index(il, kv_head, page));
+}
+
+PageSummaryF32 PageSummaryStore::load_at(size_t idx) const {
   const int r = fmt_.rank, d = d_;
   PageSummaryF32 s;
   s.basis.resize(size_t(r) * d);

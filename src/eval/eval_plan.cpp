@@ -22,6 +22,7 @@ unsigned spec_key_input(const std::string& k) {
   if (k == "centroid") return kInputCentroidBits;
   if (k == "rule") return kInputGroupRule;
   if (k == "rho") return kInputSharedRank;
+  if (k == "p" || k == "cert" || k == "min" || k == "max") return kInputBudgetRule;
   return 0;
 }
 
@@ -76,18 +77,53 @@ SelectorSpec parse_selector_spec(const std::string& spec, const SummaryFormat& b
         s.opts.summary.centroid_bits = as_int();
       else if (k == "rho")
         s.opts.shared_rank = as_int();
-      else if (k == "rule")
+      else if (k == "p" || k == "cert") {
+        if (s.opts.budget_rule.kind != BudgetRule::Kind::kFixed)
+          throw std::invalid_argument(fmt::format("selector '{}': give one of p= and cert=, not both", spec));
+        double x = 0;
+        try {
+          size_t used = 0;
+          x = std::stod(v, &used);
+          if (used != v.size()) throw std::invalid_argument("trailing");
+        } catch (const std::exception&) {
+          throw std::invalid_argument(fmt::format("selector '{}': {}='{}' is not a number", spec, k, v));
+        }
+        if (!(x > 0 && x < 1))
+          throw std::invalid_argument(
+              fmt::format("selector '{}': {}={} is not a share strictly between 0 and 1", spec, k, v));
+        s.opts.budget_rule.kind = k == "p" ? BudgetRule::Kind::kTopP : BudgetRule::Kind::kCertified;
+        s.opts.budget_rule.mass = x;
+      } else if (k == "min") {
+        s.opts.budget_rule.min_tokens = as_int();
+        if (s.opts.budget_rule.min_tokens < 0)
+          throw std::invalid_argument(fmt::format("selector '{}': min={} is negative", spec, v));
+      } else if (k == "max") {
+        s.max_tokens = as_int();
+        if (s.max_tokens < 32 || s.max_tokens % 16 != 0)
+          throw std::invalid_argument(
+              fmt::format("selector '{}': max={} must be a multiple of 16, >= 32 (a budget)", spec, v));
+      } else if (k == "rule")
         try {
           s.opts.group_rule = parse_group_rule(v);
         } catch (const std::invalid_argument& e) {
           throw std::invalid_argument(fmt::format("selector '{}': {}", spec, e.what()));
         }
       else
-        throw std::invalid_argument(
-            fmt::format("selector '{}': unknown key '{}' (r, basis, coef, centroid, rule, rho)", spec, k));
+        throw std::invalid_argument(fmt::format(
+            "selector '{}': unknown key '{}' (r, basis, coef, centroid, rule, rho, p, cert, min, max)", spec, k));
     }
     start = end + 1;
   }
+  const bool adaptive = s.opts.budget_rule.kind != BudgetRule::Kind::kFixed;
+  if (!adaptive && (s.max_tokens > 0 || s.opts.budget_rule.min_tokens > 0))
+    throw std::invalid_argument(
+        fmt::format("selector '{}': min= and max= bound an adaptive budget: give p= or cert= too", spec));
+  if (adaptive && s.opts.group_rule != GroupRule::kShareAverage)
+    throw std::invalid_argument(fmt::format(
+        "selector '{}': p= and cert= reach a share-average group share (Eq. 5); rule= must be share-average", spec));
+  if (s.max_tokens > 0 && s.opts.budget_rule.min_tokens > s.max_tokens)
+    throw std::invalid_argument(
+        fmt::format("selector '{}': min={} is above max={}", spec, s.opts.budget_rule.min_tokens, s.max_tokens));
   return s;
 }
 
@@ -99,10 +135,18 @@ void check_eval_config(const EvalConfig& cfg) {
     else
       parse_needle_family(f);
   }
-  for (const auto& s : cfg.selectors) parse_selector_spec(s, cfg.summary);
   for (int b : cfg.budgets)
     if (b < 32 || b % 16 != 0)
       throw std::invalid_argument(fmt::format("budget {}: must be a multiple of 16, >= 32", b));
+  for (const auto& str : cfg.selectors) {
+    const SelectorSpec s = parse_selector_spec(str, cfg.summary);
+    if (s.max_tokens == 0)  // the --budgets values are its maximum
+      for (int b : cfg.budgets)
+        if (s.opts.budget_rule.min_tokens > b)
+          throw std::invalid_argument(
+              fmt::format("selector '{}': min={} is above budget {} (give max= to run it at one budget of its own)",
+                          str, s.opts.budget_rule.min_tokens, b));
+  }
   if (cfg.contexts < 1) throw std::invalid_argument("contexts must be >= 1");
   if (cfg.continuation_tokens < 1) throw std::invalid_argument("continuation tokens must be >= 1");
   for (int len : cfg.lengths) {

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <filesystem>
@@ -23,7 +24,7 @@ constexpr const char* kCsvHeader =
     "family,length,context,task_seed,selector,budget,correct,answer_tokens,answer_tokens_correct,kl_vs_full,"
     "decode_steps,bytes_read_per_step,dense_bytes_per_step,read_ratio,prompt_tokens,decode_seconds,lse_mae,"
     "logit_mae,spearman,coverage,worst_head_coverage,oracle_coverage,output_rel_err,carrier_retention,"
-    "carrier_retention_any,carrier_obs";
+    "carrier_retention_any,carrier_obs,budget_mean,budget_p50,budget_p95,mass_target_met";
 
 std::string csv_num(double v) { return std::isnan(v) ? "" : fmt::format("{:.6g}", v); }
 
@@ -39,9 +40,48 @@ std::string num(double v, int prec = 3) { return std::isnan(v) ? "–" : fmt::fo
 bool is_retrieval(const std::string& f) { return f != "continuation"; }
 
 // write_eval_plots' files: <dir>/<prefix><family and/or length>.svg.
-enum Plot { kAccuracy, kCarrier, kLadder, kLocality };
-constexpr std::array<const char*, 4> kPlotPrefixes = {"accuracy_vs_budget_", "carrier_retention_vs_budget_",
-                                                      "error_ladder_", "locality_"};
+enum Plot { kAccuracy, kCarrier, kLadder, kLocality, kBytes };
+constexpr std::array<const char*, 5> kPlotPrefixes = {"accuracy_vs_budget_", "carrier_retention_vs_budget_",
+                                                      "error_ladder_", "locality_", "accuracy_vs_bytes_"};
+
+// One (selector, budget) over the retrieval families of a length: accuracy and the means of the
+// per-row efficiency columns; each budget a selector ran at, in order (a budget-free one once).
+struct BudgetPoint {
+  std::string selector;
+  int budget = 0;
+  int n = 0, correct = 0;
+  double bytes = 0, ratio = 0, mean = 0, p50 = 0, p95 = 0, met = 0;
+  int met_n = 0;
+};
+std::vector<BudgetPoint> budget_points(const EvalConfig& cfg, const std::vector<EvalRow>& rows, int len) {
+  std::vector<BudgetPoint> pts;
+  for (const auto& sel : cfg.selectors) {
+    std::vector<int> budgets;
+    for (const auto& r : rows)
+      if (r.length == len && r.selector == sel && is_retrieval(r.family) &&
+          std::find(budgets.begin(), budgets.end(), r.budget) == budgets.end())
+        budgets.push_back(r.budget);
+    std::sort(budgets.begin(), budgets.end());
+    for (int b : budgets) {
+      BudgetPoint p{sel, b};
+      for (const auto& r : rows)
+        if (r.length == len && r.selector == sel && r.budget == b && is_retrieval(r.family)) {
+          ++p.n;
+          p.correct += r.correct;
+          p.bytes += r.bytes_read_per_step;
+          p.ratio += r.read_ratio;
+          p.mean += r.budget_mean;
+          p.p50 += r.budget_p50;
+          p.p95 += r.budget_p95;
+          if (!std::isnan(r.mass_target_met)) p.met += r.mass_target_met, ++p.met_n;
+        }
+      for (double* v : {&p.bytes, &p.ratio, &p.mean, &p.p50, &p.p95}) *v /= p.n;
+      p.met = p.met_n ? p.met / p.met_n : kNaN;
+      pts.push_back(p);
+    }
+  }
+  return pts;
+}
 std::string plot_path(const std::string& dir, Plot plot, const std::string& what) {
   return dir + "/" + kPlotPrefixes[plot] + what + ".svg";
 }
@@ -73,13 +113,14 @@ void ResultsCsv::close() {
 }
 
 std::string ResultsCsv::csv_row(const EvalRow& r) {
-  return fmt::format("{},{},{},{},{},{},{},{},{},{},{},{:.0f},{:.0f},{:.6f},{},{:.4f},{},{},{},{},{},{},{},{},{},{}",
-                     r.family, r.length, r.context, r.task_seed, r.selector, r.budget, r.correct ? 1 : 0,
-                     r.answer_tokens, r.answer_tokens_correct, csv_num(r.kl_vs_full), r.decode_steps,
-                     r.bytes_read_per_step, r.dense_bytes_per_step, r.read_ratio, r.prompt_tokens, r.decode_seconds,
-                     csv_num(r.lse_mae), csv_num(r.logit_mae), csv_num(r.spearman), csv_num(r.coverage),
-                     csv_num(r.worst_head_coverage), csv_num(r.oracle_coverage), csv_num(r.output_rel_err),
-                     csv_num(r.carrier_retention), csv_num(r.carrier_retention_any), csv_num(r.carrier_obs));
+  return fmt::format(
+      "{},{},{},{},{},{},{},{},{},{},{},{:.0f},{:.0f},{:.6f},{},{:.4f},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+      r.family, r.length, r.context, r.task_seed, r.selector, r.budget, r.correct ? 1 : 0, r.answer_tokens,
+      r.answer_tokens_correct, csv_num(r.kl_vs_full), r.decode_steps, r.bytes_read_per_step, r.dense_bytes_per_step,
+      r.read_ratio, r.prompt_tokens, r.decode_seconds, csv_num(r.lse_mae), csv_num(r.logit_mae), csv_num(r.spearman),
+      csv_num(r.coverage), csv_num(r.worst_head_coverage), csv_num(r.oracle_coverage), csv_num(r.output_rel_err),
+      csv_num(r.carrier_retention), csv_num(r.carrier_retention_any), csv_num(r.carrier_obs), csv_num(r.budget_mean),
+      csv_num(r.budget_p50), csv_num(r.budget_p95), csv_num(r.mass_target_met));
 }
 
 void finish_eval_report(const EvalConfig& cfg, ResultsCsv& csv, const std::vector<EvalRow>& rows,
@@ -138,6 +179,18 @@ std::string eval_summary_markdown(const EvalConfig& cfg, const std::vector<EvalR
         }
         out += "\n";
       }
+      out += "\n";
+    }
+    if (const auto pts = budget_points(cfg, rows, len); !pts.empty()) {
+      out += fmt::format(
+          "## budget per step @ {} tokens (retrieval tasks; tokens kept per (layer, KV head) selection: row means)"
+          "\n\n| selector | budget (max) | accuracy | MiB read / step | read ratio | kept mean | kept p50 | kept p95 | "
+          "target met |\n|---|---|---|---|---|---|---|---|---|\n",
+          len);
+      for (const auto& p : pts)
+        out += fmt::format("| {} | {} | {}/{} | {:.2f} | {:.3f} | {} | {} | {} | {} |\n", p.selector,
+                           p.budget ? std::to_string(p.budget) : std::string("–"), p.correct, p.n, p.bytes / 1048576.0,
+                           p.ratio, num(p.mean, 0), num(p.p50, 0), num(p.p95, 0), num(p.met));
       out += "\n";
     }
     // Fidelity chain over the retrieval families, per selector and budget.
@@ -231,6 +284,27 @@ void write_eval_plots(const EvalConfig& cfg, const std::vector<EvalRow>& rows,
                       svg_line_chart(is_retrieval(fam) ? fmt::format("{} @ {} tokens: accuracy", fam, len)
                                                        : fmt::format("continuation @ {} tokens: top-1 agreement", len),
                                      "budget (tokens per KV head)", "%", series, true, 0.0, 100.0));
+    }
+    // Accuracy against the bytes a decode step reads, every selector and budget (retrieval tasks).
+    if (const auto pts = budget_points(cfg, rows, len); !pts.empty()) {
+      std::vector<PlotSeries> series;
+      for (const auto& p : pts) {
+        if (series.empty() || series.back().name != p.selector) series.push_back({p.selector, {}, {}});
+        series.back().x.push_back(p.bytes / 1048576.0);
+        series.back().y.push_back(100.0 * p.correct / p.n);
+      }
+      for (auto& sr : series) {  // left to right
+        std::vector<size_t> idx(sr.x.size());
+        for (size_t i = 0; i < idx.size(); ++i) idx[i] = i;
+        std::sort(idx.begin(), idx.end(), [&](size_t a, size_t b) { return sr.x[a] < sr.x[b]; });
+        PlotSeries o{sr.name, {}, {}};
+        for (size_t i : idx) o.x.push_back(sr.x[i]), o.y.push_back(sr.y[i]);
+        sr = std::move(o);
+      }
+      write_text_file(
+          plot_path(cfg.out_dir, kBytes, std::to_string(len)),
+          svg_line_chart(fmt::format("retrieval accuracy vs bytes read per decode step @ {} tokens", len),
+                         "MiB read per decode step (all layers and KV heads)", "%", series, true, 0.0, 100.0));
     }
     if (cfg.fidelity) {
       std::vector<PlotSeries> series;

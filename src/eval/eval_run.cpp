@@ -31,6 +31,21 @@ void fill_efficiency(const Session& s, EvalRow& row) {
   row.dense_bytes_per_step = t.steps ? t.dense_bytes / double(t.steps) : 0;
   row.read_ratio = row.dense_bytes_per_step > 0 ? row.bytes_read_per_step / row.dense_bytes_per_step : 1.0;
   row.decode_seconds = t.seconds;
+  // Budget per selection, in tokens, from the histogram of pages kept.
+  int64_t n = 0;
+  double sum = 0;
+  for (size_t k = 0; k < t.pages_kept.size(); ++k) n += t.pages_kept[k], sum += double(k) * t.pages_kept[k];
+  const double page = n ? double(s.cache().page_size()) : 0.0;  // n > 0 only on the CPU
+  auto quantile = [&](double f) {
+    int64_t seen = 0;
+    for (size_t k = 0; k < t.pages_kept.size(); ++k)
+      if ((seen += t.pages_kept[k]) >= int64_t(std::ceil(f * double(n)))) return double(k) * page;
+    return kNaN;
+  };
+  row.budget_mean = n ? sum / double(n) * page : kNaN;
+  row.budget_p50 = n ? quantile(0.5) : kNaN;
+  row.budget_p95 = n ? quantile(0.95) : kNaN;
+  row.mass_target_met = t.mass_target_tried ? double(t.mass_target_met) / double(t.mass_target_tried) : kNaN;
 }
 
 void fill_fidelity(const FidelityProbe* probe, EvalRow& row) {
@@ -117,9 +132,12 @@ Session fork(const Session& base, const SessionConfig& sc, const Selector* prepa
   return prepared ? base.fork(sc, *prepared) : base.fork(sc);
 }
 
-// The budgets a spec runs at: a budget-free selector (full) once, as budget 0.
+// The budgets a spec runs at: a budget-free selector (full) once, as budget 0; an adaptive one with
+// max= once, at its maximum.
 std::vector<int> spec_budgets(const EvalConfig& cfg, const SelectorSpec& spec) {
-  return budget_free(spec.name) ? std::vector<int>{0} : cfg.budgets;
+  if (budget_free(spec.name)) return {0};
+  if (spec.max_tokens > 0) return {spec.max_tokens};
+  return cfg.budgets;
 }
 
 // The state of one run of a plan: the rows so far (also in results.csv) and the locality finding.

@@ -258,6 +258,13 @@ void CpuForward::attention(int il) {
     for (int h = 0; h < NKV; ++h) {
       totals_->bytes_read += double(step_bytes_read(cache_, seq_, sel[h]));
       totals_->dense_bytes += double(cache_.kv_bytes(seq_.n_tokens));
+      const size_t kept = sel[h].pages.size();
+      if (totals_->pages_kept.size() <= kept) totals_->pages_kept.resize(kept + 1, 0);
+      ++totals_->pages_kept[kept];
+      if (sel[h].mass_target_met >= 0) {
+        ++totals_->mass_target_tried;
+        totals_->mass_target_met += sel[h].mass_target_met;
+      }
     }
 }
 

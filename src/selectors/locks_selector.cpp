@@ -1,16 +1,34 @@
 // `locks`: Algorithm 2. Score every page from its summary alone (Eq. 4), per-head shares, GQA group
-// average (Eq. 5), keep sink + recent + top-(k-2).
+// average (Eq. 5), keep sink + recent + top-(k-2), or with an adaptive budget rule the fewest top
+// pages whose estimated (top-p) or certified group share reaches a target.
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <stdexcept>
 #include <vector>
 
 #include "selectors/selectors.h"
 
 namespace locks {
 
-LocksSelector::LocksSelector(const KvCacheConfig& cfg, const SummaryFormat& fmt, GroupRule rule)
-    : store_(fmt, cfg.n_layer, cfg.n_head_kv, cfg.n_pages, cfg.page_size, cfg.head_dim), rule_(rule) {}
+LocksSelector::LocksSelector(const KvCacheConfig& cfg, const SummaryFormat& fmt, GroupRule rule,
+                             const BudgetRule& budget_rule)
+    : store_(fmt, cfg.n_layer, cfg.n_head_kv, cfg.n_pages, cfg.page_size, cfg.head_dim),
+      rule_(rule),
+      budget_rule_(budget_rule) {
+  if (budget_rule.kind == BudgetRule::Kind::kFixed) return;
+  if (!(budget_rule.mass > 0 && budget_rule.mass < 1))
+    throw std::invalid_argument(fmt::format("locks: target share {} outside (0, 1)", budget_rule.mass));
+  if (budget_rule.min_tokens < 0)
+    throw std::invalid_argument(fmt::format("locks: minimum budget {} tokens is negative", budget_rule.min_tokens));
+  if (rule != GroupRule::kShareAverage)
+    throw std::invalid_argument(
+        fmt::format("locks: an adaptive budget reaches a share-average group share (Eq. 5); the group rule must be "
+                    "share-average, not {}",
+                    group_rule_name(rule)));
+}
 
 std::string LocksSelector::name() const { return "locks"; }
 
@@ -18,7 +36,7 @@ void LocksSelector::do_on_pages_filled(const PagedKvCache& cache, int il, std::s
   // Alg. 1 for every (page, KV head): independent, so batched across cores.
   const auto& cfg = cache.config();
   for_each_page_head(cache, il, page_ids, [&](const float* keys, int l, int h, int32_t page) {
-    store_.store(l, h, page, build_page_summary(keys, cfg.page_size, cfg.head_dim, store_.format().rank));
+    store_.store(l, h, page, build_page_summary(keys, cfg.page_size, cfg.head_dim, store_.format().rank), keys);
   });
 }
 
@@ -28,7 +46,8 @@ void LocksSelector::do_select(const PagedKvCache& cache, const SelectionRequest&
   const float scale = 1.0f / std::sqrt(float(d));
   const auto t0 = std::chrono::steady_clock::now();
   // select() runs concurrently for a layer's KV heads: per-call buffers are thread-local, not members.
-  thread_local std::vector<float> log_mass, keys;
+  const bool certified = budget_rule_.kind == BudgetRule::Kind::kCertified;
+  thread_local std::vector<float> log_mass, bound, keys;
   thread_local std::vector<int32_t> ids;
   log_mass.resize(size_t(G) * n_pages);  // [G][n_pages]
   // Pages with a summary: a prefix of the page table in a decode (every full page), scored in one
@@ -39,6 +58,11 @@ void LocksSelector::do_select(const PagedKvCache& cache, const SelectionRequest&
   ids.assign(table.begin(), table.begin() + n_scored);
   store_.score_pages(req.il, req.kv_head, ids, req.q, G, scale, log_mass.data(), size_t(n_pages));  // Eq. 4
   size_t bytes = size_t(n_scored) * store_.summary_bytes();
+  if (certified) {  // |s - s_hat| per head and page; the exactly scored partial page has none
+    bound.assign(size_t(G) * n_pages, 0.0f);
+    store_.log_mass_error_bounds(req.il, req.kv_head, ids, req.q, G, scale, bound.data(), size_t(n_pages));
+    bytes += size_t(n_scored) * PageSummaryStore::bound_bytes();
+  }
   for (int j = n_scored; j < n_pages; ++j) {
     const int32_t page = req.seq->page_table[j];
     if (store_.has(req.il, req.kv_head, page) && page_tokens(*req.seq, j, B) == B) {
@@ -46,8 +70,11 @@ void LocksSelector::do_select(const PagedKvCache& cache, const SelectionRequest&
       for (int g = 0; g < G; ++g) {
         store_.score(req.il, req.kv_head, page, req.q + size_t(g) * d, 1, scale, tmp);
         log_mass[size_t(g) * n_pages + j] = tmp[0];
+        if (certified)
+          bound[size_t(g) * n_pages + j] =
+              store_.log_mass_error_bound(req.il, req.kv_head, page, req.q + size_t(g) * d, scale);
       }
-      bytes += store_.summary_bytes();
+      bytes += store_.summary_bytes() + (certified ? PageSummaryStore::bound_bytes() : 0);
     } else {
       // The partial recent page has no summary yet: its exact log-mass (<= B-1 keys, which
       // attention reads anyway) keeps the per-head share normalisation honest.
@@ -60,7 +87,13 @@ void LocksSelector::do_select(const PagedKvCache& cache, const SelectionRequest&
     }
   }
   out.score_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  select_top_pages(log_mass.data(), G, n_pages, req.budget_pages, rule_, out.pages);
+  if (budget_rule_.kind == BudgetRule::Kind::kFixed) {
+    select_top_pages(log_mass.data(), G, n_pages, req.budget_pages, rule_, out.pages);
+  } else {
+    const int min_pages = (budget_rule_.min_tokens + B - 1) / B;
+    out.mass_target_met = select_pages_by_mass(log_mass.data(), certified ? bound.data() : nullptr, G, n_pages,
+                                               min_pages, req.budget_pages, budget_rule_.mass, out.pages);
+  }
   out.bytes_read = bytes;
   out.all_pages = int(out.pages.size()) == n_pages;
   if (req.want_estimates) out.log_mass.assign(log_mass.begin(), log_mass.end());

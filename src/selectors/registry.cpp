@@ -43,9 +43,9 @@ const SelectorRow kSelectors[] = {
      [](const KvCacheConfig&, const SelectorOptions& o) -> std::unique_ptr<Selector> {
        return std::make_unique<OracleSelector>(o.group_rule);
      }},
-    {"locks", kInputBudget | kSummary | kInputGroupRule,
+    {"locks", kInputBudget | kSummary | kInputGroupRule | kInputBudgetRule,
      [](const KvCacheConfig& c, const SelectorOptions& o) -> std::unique_ptr<Selector> {
-       return std::make_unique<LocksSelector>(c, o.summary, o.group_rule);
+       return std::make_unique<LocksSelector>(c, o.summary, o.group_rule, o.budget_rule);
      }},
     {"quest", kInputBudget | kInputGroupRule,
      [](const KvCacheConfig& c, const SelectorOptions& o) -> std::unique_ptr<Selector> {
@@ -93,6 +93,7 @@ SelectorOptions read_options(unsigned inputs, const SelectorOptions& opts) {
   if (inputs & kInputGroupRule) n.group_rule = opts.group_rule;
   if (inputs & kInputSharedRank) n.shared_rank = opts.shared_rank;
   if (inputs & kInputGlobalBasis) n.global_basis = opts.global_basis;
+  if (inputs & kInputBudgetRule) n.budget_rule = opts.budget_rule;
   return n;
 }
 
@@ -116,7 +117,8 @@ bool same_selector(const std::string& name_a, const SelectorOptions& a, const st
   const SelectorOptions x = read_options(in, a), y = read_options(in, b);
   return x.summary.rank == y.summary.rank && x.summary.basis_bits == y.summary.basis_bits &&
          x.summary.coef_bits == y.summary.coef_bits && x.summary.centroid_bits == y.summary.centroid_bits &&
-         x.group_rule == y.group_rule && x.shared_rank == y.shared_rank && x.global_basis == y.global_basis;
+         x.group_rule == y.group_rule && x.shared_rank == y.shared_rank && x.global_basis == y.global_basis &&
+         x.budget_rule == y.budget_rule;
 }
 
 std::string describe_selector(const std::string& name, const SelectorOptions& opts) {
@@ -131,6 +133,8 @@ std::string describe_selector(const std::string& name, const SelectorOptions& op
   }
   if (in & kInputGroupRule) words.push_back(group_rule_name(opts.group_rule));
   if (in & kInputSharedRank) words.push_back(fmt::format("rho={}", opts.shared_rank));
+  if ((in & kInputBudgetRule) && opts.budget_rule.kind != BudgetRule::Kind::kFixed)
+    words.push_back(describe_budget_rule(opts.budget_rule));
   if (in & kInputGlobalBasis)
     words.push_back(fmt::format("global-basis@{}", static_cast<const void*>(opts.global_basis.get())));
   return fmt::format("{}", fmt::join(words, " "));

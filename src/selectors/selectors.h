@@ -32,7 +32,9 @@ class OracleSelector final : public Selector {
 
 class LocksSelector final : public Selector {
  public:
-  LocksSelector(const KvCacheConfig& cfg, const SummaryFormat& fmt, GroupRule rule);
+  /// Throws std::invalid_argument for an adaptive budget rule with a target share outside (0, 1), a
+  /// negative minimum, or a group rule other than share-average (the target is an Eq. 5 share).
+  LocksSelector(const KvCacheConfig& cfg, const SummaryFormat& fmt, GroupRule rule, const BudgetRule& budget_rule = {});
   std::string name() const override;
   void do_on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) override;
   void do_select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out) override;
@@ -43,6 +45,7 @@ class LocksSelector final : public Selector {
  private:
   PageSummaryStore store_;
   GroupRule rule_;
+  BudgetRule budget_rule_;
 };
 
 // =============================================================================================
