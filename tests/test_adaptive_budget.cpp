@@ -19,6 +19,7 @@
 #include "locks/model.h"
 #include "locks/selector.h"
 #include "locks/session.h"
+#include "selectors/selectors.h"
 #include "test_paths.h"
 #include "test_util.h"
 
@@ -269,4 +270,92 @@ TEST(AdaptiveBudget, CertifiedLocksOnTheReferenceModel) {
     EXPECT_LT(check.kept_pages / check.seen, 0.97) << "kept almost everything";
     RecordProperty(P == 0.5 ? "met_p50" : "met_p80", std::to_string(double(check.met) / check.seen));
   }
+}
+
+// A page stored at rank k in a rank-8 store is the rank-k summary: same Eq. 4 scores as a rank-k
+// store, its bytes those of the rank-k format, and its tail the energy the first k directions miss.
+TEST(AdaptiveRank, PageStoredAtALowerRankIsThatRanksSummary) {
+  std::mt19937 rng(311);
+  const int d = 64, B = 16;
+  for (int k : {1, 3, 4, 7}) {
+    const auto keys = test::randn(rng, size_t(B) * d, 1.0);
+    const SummaryFormat f8{8, 4, 8, 8}, fk{k, 4, 8, 8};
+    PageSummaryStore s8(f8, 1, 1, 1, B, d), sk(fk, 1, 1, 1, B, d);
+    const PageSummaryF32 full = build_page_summary(keys.data(), B, d, 8);
+    s8.store(0, 0, 0, full, keys.data(), k);
+    sk.store(0, 0, 0, build_page_summary(keys.data(), B, d, k), keys.data());
+    EXPECT_EQ(s8.page_rank(0, 0, 0), k);
+    EXPECT_EQ(s8.page_bytes(0, 0, 0), fk.bytes(B, d));
+    EXPECT_NEAR(s8.load(0, 0, 0).tail, sk.load(0, 0, 0).tail, 1e-4 * sk.load(0, 0, 0).tail);
+    const int32_t page = 0;
+    for (int t = 0; t < 4; ++t) {
+      const auto q = test::randn(rng, size_t(d), 1.0);
+      float a = 0, b = 0;
+      s8.score_pages(0, 0, std::span<const int32_t>(&page, 1), q.data(), 1, 0.125f, &a, 1);
+      sk.score(0, 0, 0, q.data(), 1, 0.125f, &b);
+      EXPECT_NEAR(a, b, 1e-4) << "rank " << k;
+    }
+  }
+  PageSummaryStore s8(SummaryFormat{}, 1, 1, 1, B, d);
+  const auto keys = test::randn(rng, size_t(B) * d, 1.0);
+  EXPECT_THROW(s8.store(0, 0, 0, build_page_summary(keys.data(), B, d, 8), keys.data(), 9), std::invalid_argument);
+}
+
+// locks/bytes=F on the reference model's pages: the mean summary bytes of every stored page meet the
+// target, ranks vary with the pages, and within a (layer, KV head) and one batch of pages (a prefill
+// chunk of 32 pages shares a threshold) a page whose spectral tail is below another's at every rank
+// never gets the higher rank.
+TEST(AdaptiveRank, RankRuleMeetsTheByteTargetOnModelPages) {
+  const LlamaModel model = LlamaModel::load(test::source_path("models/locks-ref-a-q8_0.gguf"));
+  std::ifstream in(test::source_path("examples/haystack.txt"));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  auto ids = model.tokenizer.encode(ss.str().substr(0, 12000), true);
+  ASSERT_GT(ids.size(), 900u);
+  SessionConfig cfg;
+  cfg.n_ctx = 1024;
+  cfg.selector = "locks";
+  cfg.selector_opts.rank_bytes = 0.7;
+  Session s(model, cfg);
+  s.prefill(std::span<const int32_t>(ids.data(), 896));
+  const auto& sel = dynamic_cast<const LocksSelector&>(s.selector());
+  const PageSummaryStore& st = sel.store();
+  const auto& seq = s.sequence();
+  const int n_pages = 896 / 16;
+  double bytes = 0;
+  int n = 0;
+  std::set<int> ranks_seen;
+  std::vector<float> keys(size_t(16) * model.hp.head_dim);
+  for (int il = 0; il < model.hp.n_layer; ++il)
+    for (int h = 0; h < model.hp.n_head_kv; ++h) {
+      std::vector<std::vector<double>> tails;
+      std::vector<int> ranks;
+      for (int j = 0; j < n_pages; ++j) {
+        const int32_t page = seq.page_table[size_t(j)];
+        bytes += double(st.page_bytes(il, h, page));
+        ++n;
+        ranks.push_back(st.page_rank(il, h, page));
+        ranks_seen.insert(ranks.back());
+        s.cache().k_page_f32(il, page, h, keys.data());
+        const PageSummaryF32 f = build_page_summary(keys.data(), 16, model.hp.head_dim, 8);
+        std::vector<double> t(8, 0.0);  // tau_r for r = 1..8
+        for (int r = 1; r <= 8; ++r)
+          for (size_t k = size_t(r); k < f.sigma2.size(); ++k) t[size_t(r - 1)] += f.sigma2[k];
+        tails.push_back(t);
+      }
+      for (int a = 0; a < n_pages; ++a)
+        for (int b = a / 32 * 32; b < std::min(n_pages, a / 32 * 32 + 32); ++b) {
+          bool below = true;
+          for (int r = 0; r < 8; ++r) below &= tails[size_t(a)][size_t(r)] < 0.999 * tails[size_t(b)][size_t(r)];
+          if (below) {
+            EXPECT_LE(ranks[size_t(a)], ranks[size_t(b)])
+                << "layer " << il << " head " << h << " pages " << a << ", " << b;
+          }
+        }
+    }
+  const double full = double(SummaryFormat{}.bytes(16, model.hp.head_dim));
+  EXPECT_LE(bytes / n, 0.7 * full * 1.02);  // each batch meets it over every page seen, at its threshold
+  EXPECT_GE(bytes / n, 0.6 * full) << "far below the target: the rule drops more than asked";
+  EXPECT_GE(ranks_seen.size(), 3u);
+  RecordProperty("mean_bytes_fraction", std::to_string(bytes / n / full));
 }

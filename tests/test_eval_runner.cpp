@@ -118,6 +118,77 @@ TEST(EvalRunner, MultikeyRowsEqualARunOfTheFirstQuestionAlone) {
   EXPECT_EQ(checked, 1 + 3 * 2);  // full once; locks, oracle and quest at two budgets
 }
 
+// The adaptive budget and rank rules through the harness, the tail finding on full attention's
+// steps, and the report read back from results.csv.
+TEST(EvalRunner, AdaptiveRowsTailsAndTheReportReadBack) {
+  if (!test::shared_available()) GTEST_SKIP() << "../shared not present";
+  EvalConfig cfg = small_config("locks-eval-adaptive");
+  cfg.families = {"multikey"};
+  cfg.selectors = {"full", "locks", "locks/p=0.5/max=64", "locks/cert=0.5/max=64", "locks/bytes=0.7"};
+  cfg.tail_contexts = 1;
+  const auto rows = run_eval(cfg, nullptr);
+  ASSERT_EQ(rows.size(), 1u + 2 + 1 + 1 + 2);
+  auto find = [&](const std::string& sel, int b) {
+    for (const auto& r : rows)
+      if (r.selector == sel && r.budget == b) return r;
+    ADD_FAILURE() << sel << " " << b << " missing";
+    return EvalRow{};
+  };
+  for (int b : {32, 64}) {
+    const EvalRow fixed = find("locks", b), low = find("locks/bytes=0.7", b);
+    EXPECT_EQ(fixed.budget_mean, b);  // ~32 pages: k pages at every selection
+    EXPECT_EQ(fixed.budget_p95, b);
+    EXPECT_TRUE(std::isnan(fixed.mass_target_met));
+    EXPECT_LT(low.bytes_read_per_step, fixed.bytes_read_per_step);  // fewer summary bytes, same k
+  }
+  for (const char* sel : {"locks/p=0.5/max=64", "locks/cert=0.5/max=64"}) {
+    const EvalRow r = find(sel, 64);
+    EXPECT_GE(r.budget_p50, 32);
+    EXPECT_LE(r.budget_p95, 64);
+    EXPECT_GE(r.mass_target_met, 0.0);
+    EXPECT_LE(r.mass_target_met, 1.0);
+  }
+  EXPECT_LT(find("locks/p=0.5/max=64", 64).budget_mean, 64);  // some heads stop early
+  EXPECT_GT(find("full", 0).budget_mean, 480);
+  // tails.csv: a header and one row per (layer, KV head, full page) of the context.
+  std::ifstream tails(std::filesystem::path(cfg.out_dir) / "tails.csv");
+  const auto lines = std::count(std::istreambuf_iterator<char>(tails), std::istreambuf_iterator<char>(), '\n');
+  const LlamaModel model = LlamaModel::load(cfg.model_path);
+  EXPECT_EQ(lines % (model.hp.n_layer * model.hp.n_head_kv), 1);
+  EXPECT_GT(lines, 8 * model.hp.n_layer * model.hp.n_head_kv);
+  // Read back: the same rows (written again, the same bytes), and the same report.
+  const auto back = read_eval_rows({(std::filesystem::path(cfg.out_dir) / "results.csv").string()});
+  ASSERT_EQ(back.size(), rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    EXPECT_EQ(back[i].selector, rows[i].selector);
+    EXPECT_EQ(back[i].budget, rows[i].budget);
+    EXPECT_EQ(back[i].correct, rows[i].correct);
+    EXPECT_EQ(back[i].task_seed, rows[i].task_seed);
+  }
+  EvalConfig again;
+  again.out_dir = cfg.out_dir + "-back";
+  again.from_csv = {"results.csv"};
+  const EvalConfig used = report_eval_rows(again, back);
+  const auto slurp = [](const std::filesystem::path& p) {
+    std::ifstream in(p);
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  };
+  EXPECT_EQ(slurp(std::filesystem::path(again.out_dir) / "results.csv"),
+            slurp(std::filesystem::path(cfg.out_dir) / "results.csv"));
+  EXPECT_EQ(used.selectors, cfg.selectors);
+  EXPECT_EQ(used.budgets, cfg.budgets);
+  EXPECT_EQ(used.contexts, 1);
+  // The tables from the read-back rows equal those of the run's own rows (summary.md's body, up to
+  // its tail finding, which the CSV does not carry).
+  const auto body = [](const std::string& md) {
+    const size_t start = md.find("\n## "), tail = md.find("## tail finding");
+    return md.substr(start, tail == std::string::npos ? std::string::npos : tail - start);
+  };
+  EXPECT_EQ(body(slurp(std::filesystem::path(again.out_dir) / "summary.md")),
+            body(slurp(std::filesystem::path(cfg.out_dir) / "summary.md")));
+  EXPECT_THROW(read_eval_rows({cfg.model_path}), std::runtime_error);
+}
+
 }  // namespace
 
 namespace {
@@ -143,13 +214,23 @@ TEST(EvalReport, RemoveEvalReportTakesExactlyWhatTheReportWrites) {
   cfg.lengths = {512, 1024};
   cfg.budgets = {32, 64};
   cfg.selectors = {"locks"};
-  locks::write_eval_plots(cfg, {}, {}, {});
+  std::map<int, locks::TailPages> tails;
+  for (int j = 0; j < 20; ++j) {
+    locks::TailPage p;
+    p.page = j;
+    p.err_mean = 0.01 * j;
+    tails[512].pages.push_back(p);
+    tails[512].context.push_back(0);
+  }
+  locks::write_eval_plots(cfg, {}, {}, {}, tails);
   const int plots = count_svgs(dir);
-  ASSERT_GE(plots, 6);  // accuracy per (family, length) + carrier retention per length
-  for (const char* report : {"summary.md", "locality.csv"}) locks::write_text_file((dir / report).string(), "x");
+  ASSERT_GE(plots, 7);  // accuracy per (family, length) + carrier retention per length + the tail finding
+  EXPECT_TRUE(fs::exists(dir / "tail_512.svg"));
+  for (const char* report : {"summary.md", "locality.csv", "tails.csv"})
+    locks::write_text_file((dir / report).string(), "x");
   const std::vector<const char*> others = {"notes.svg", "results.csv", "locality.svg", "summary.md.bak"};
   for (const char* other : others) locks::write_text_file((dir / other).string(), "x");
-  EXPECT_EQ(locks::remove_eval_report(dir.string()), plots + 2);
+  EXPECT_EQ(locks::remove_eval_report(dir.string()), plots + 3);
   EXPECT_EQ(count_svgs(dir), 2);  // notes.svg, locality.svg
   EXPECT_FALSE(fs::exists(dir / "summary.md"));
   EXPECT_FALSE(fs::exists(dir / "locality.csv"));

@@ -39,9 +39,10 @@ Runner add_eval(CLI::App& app) {
       ->capture_default_str();
   app.add_option(
          "--selectors", c->selectors,
-         "selectors, each NAME or NAME/key=value/... (keys: r, basis, coef, centroid, rule, rho), e.g. "
-         "locks/r=4, locks/basis=2, locks/rule=max, sequence-basis/rho=8 (rho=0: the rank whose bytes match "
-         "LOCKS's); names: " +
+         "selectors, each NAME or NAME/key=value/... (keys: r, basis, coef, centroid, rule, rho; for locks's "
+         "adaptive budget p or cert, min, max), e.g. locks/r=4, locks/basis=2, locks/rule=max, "
+         "sequence-basis/rho=8 (rho=0: the rank whose bytes match LOCKS's), locks/p=0.5/max=1024 (the fewest "
+         "top pages whose estimated group share reaches 0.5, at most 1024 tokens); names: " +
              [] {
                std::string n;
                for (const auto& x : selector_names()) n += (n.empty() ? "" : ", ") + x;
@@ -60,6 +61,12 @@ Runner add_eval(CLI::App& app) {
   app.add_flag("!--separate-contexts", c->share_contexts,
                "give multikey its own contexts (default: it asks the first question of each multiquery context)");
   app.add_option("--locality-contexts", c->locality_contexts, "contexts per length measured for the locality finding")
+      ->transform(decimal_integer())
+      ->check(CLI::Range(0, 100000))
+      ->capture_default_str();
+  app.add_option("--tail-contexts", c->tail_contexts,
+                 "contexts per length whose full-attention fork measures the tail finding (needs selector full): "
+                 "the summary's per-page error at every decode step against page properties, tails.csv")
       ->transform(decimal_integer())
       ->check(CLI::Range(0, 100000))
       ->capture_default_str();
@@ -82,12 +89,29 @@ Runner add_eval(CLI::App& app) {
                  "carrier_retention_vs_budget_*, error_ladder_*, locality_*.svg)")
       ->check(non_empty_path())
       ->capture_default_str();
+  app.add_option("--from-csv", c->from_csv,
+                 "report rows of earlier runs instead of running: results.csv files (comma-separated; their rows "
+                 "concatenated) into --out's summary.md, results.csv and plots")
+      ->delimiter(',')
+      ->check(CLI::ExistingFile);
   app.add_option("--threads", *threads, "CPU threads (default: all cores)")
       ->transform(decimal_integer())
       ->check(CLI::Range(1, 1024));
   return [c, threads, device] {
     if (*threads > 0) omp_set_num_threads(*threads);
     EvalConfig cfg = *c;
+    if (!cfg.from_csv.empty()) {
+      if (cfg.out_dir.empty()) throw CLI::ValidationError("--out", "empty output directory");
+      for (const auto& f : cfg.from_csv)
+        if (std::filesystem::weakly_canonical(f) ==
+            std::filesystem::weakly_canonical(std::filesystem::path(cfg.out_dir) / "results.csv"))
+          throw CLI::ValidationError("--from-csv", fmt::format("'{}' is the results.csv --out would write", f));
+      const std::vector<EvalRow> rows = read_eval_rows(cfg.from_csv);
+      cfg = report_eval_rows(cfg, rows);
+      fmt::print("{}", eval_summary_markdown(cfg, rows));
+      diag("[eval] wrote {} rows' results.csv, summary.md and the plots to {}\n", rows.size(), cfg.out_dir);
+      return 0;
+    }
     cfg.device = parse_device(*device);
     if (cfg.device == Device::kCuda) {  // both read the CPU's KV cache (--device's help says so)
       cfg.fidelity = false;
@@ -117,7 +141,7 @@ Runner add_eval(CLI::App& app) {
         const SelectorSpec spec = parse_selector_spec(s, cfg.summary);
         // Two spellings of one configuration ("locks" and "locks/r=8") would run it twice.
         for (const SelectorSpec& other : specs)
-          if (same_selector(other.name, other.opts, spec.name, spec.opts))
+          if (same_selector(other.name, other.opts, spec.name, spec.opts) && other.max_tokens == spec.max_tokens)
             throw std::invalid_argument(
                 fmt::format("selectors '{}' and '{}' are the same configuration", other.label, s));
         specs.push_back(spec);

@@ -36,6 +36,8 @@ struct RunArgs {
   int rank = 8;
   int basis_bits = 4;
   std::string group_rule = "share-average";
+  std::string budget_rule = "fixed";
+  int min_budget = 0;
   int max_tokens = 32;
   float temperature = 0.0f;
   float top_p = 1.0f;
@@ -51,7 +53,7 @@ struct RunArgs {
   bool chat = false;
   std::string system;
   bool prompt_given = false;  // -p was passed (an empty prompt then means BOS only)
-  bool rank_given = false, basis_bits_given = false, group_rule_given = false;
+  bool rank_given = false, basis_bits_given = false, group_rule_given = false, budget_rule_given = false;
   bool budget_given = false, top_p_given = false, seed_given = false;
 };
 
@@ -62,12 +64,14 @@ constexpr const char* kDefaultPrompt = "examples/needle-8k.txt";
 // The default prompt ends with a needle question; its last line goes through decode.
 constexpr int kDefaultDecodeTail = 24;
 
-// The LOCKS options -r, --basis-bits and --group-rule set.
+// The LOCKS options -r, --basis-bits, --group-rule, --budget-rule and --min-budget set.
 SelectorOptions selector_options(const RunArgs& a) {
   SelectorOptions o;
   o.summary.rank = a.rank;
   o.summary.basis_bits = a.basis_bits;
   o.group_rule = parse_group_rule(a.group_rule);
+  o.budget_rule = parse_budget_rule(a.budget_rule);
+  o.budget_rule.min_tokens = a.min_budget;
   return o;
 }
 
@@ -112,6 +116,7 @@ int run(const RunArgs& a) {
   ignored(a.rank_given, "-r/--rank", kInputRank);
   ignored(a.basis_bits_given, "--basis-bits", kInputBasisBits);
   ignored(a.group_rule_given, "--group-rule", kInputGroupRule);
+  ignored(a.budget_rule_given, "--budget-rule/--min-budget", kInputBudgetRule);
   ignored(a.budget_given, "-b/--budget", kInputBudget);
   for (auto [given, opt] : {std::pair{a.top_p_given, "--top-p"}, std::pair{a.seed_given, "--seed"}})
     if (given && a.temperature == 0.0f)
@@ -159,6 +164,15 @@ int run(const RunArgs& a) {
   const double prefill_tps = r.prefill_seconds > 0 ? r.prefill_tokens / r.prefill_seconds : 0.0;
   const double decode_tps = r.decode.seconds > 0 ? r.decode.steps / r.decode.seconds : 0.0;
   const bool reads_budget = selector_inputs(a.selector) & kInputBudget;
+  // An adaptive budget's outcome: tokens kept per (layer, KV head) selection and targets met.
+  const bool adaptive =
+      (selector_inputs(a.selector) & kInputBudgetRule) && sc.selector_opts.budget_rule.kind != BudgetRule::Kind::kFixed;
+  double kept_sum = 0, kept_n = 0;
+  for (size_t k = 0; k < r.decode.pages_kept.size(); ++k)
+    kept_sum += double(k) * r.decode.pages_kept[k], kept_n += double(r.decode.pages_kept[k]);
+  const double kept_mean = kept_n > 0 ? 16.0 * kept_sum / kept_n : 0.0;
+  const double target_met =
+      r.decode.mass_target_tried ? double(r.decode.mass_target_met) / double(r.decode.mass_target_tried) : 0.0;
   if (a.json) {
     nlohmann::json j;
     j["text"] = r.text;
@@ -167,6 +181,11 @@ int run(const RunArgs& a) {
     j["selector"] = a.selector;
     j["device"] = a.device;
     j["budget_tokens"] = reads_budget ? nlohmann::json(a.budget) : nlohmann::json();  // full: every page
+    if (adaptive) {
+      j["budget_rule"] = describe_budget_rule(sc.selector_opts.budget_rule);
+      j["kept_tokens_mean"] = kept_mean;
+      j["mass_target_met"] = target_met;
+    }
     if (a.top_logprobs > 0) {
       auto& lists = j["top_logprobs"] = nlohmann::json::array();
       for (const auto& at : r.top_logprobs) {
@@ -183,7 +202,10 @@ int run(const RunArgs& a) {
   } else {
     std::fputs("\n", stdout);
     std::fflush(stdout);
-    const std::string budget = reads_budget ? fmt::format("{} tokens", a.budget) : std::string("all pages");
+    std::string budget = reads_budget ? fmt::format("{} tokens", a.budget) : std::string("all pages");
+    if (adaptive)
+      budget = fmt::format("{} ({}: kept {:.0f} tokens per step on average, target met {:.1f}%)", budget,
+                           describe_budget_rule(sc.selector_opts.budget_rule), kept_mean, 100.0 * target_met);
     // No decode step (-n 0 or 1 with no decode tail): no per-step figures to report.
     const std::string decode =
         r.decode.steps == 0 ? std::string("decode 0 steps")
@@ -241,6 +263,15 @@ Runner add_run(CLI::App& app) {
                                          "how the GQA group shares one page set: share-average, max, mass-sum")
                               ->check(CLI::IsMember({"share-average", "max", "mass-sum"}))
                               ->capture_default_str();
+  CLI::Option* budget_rule_opt =
+      app.add_option("--budget-rule", a->budget_rule,
+                     "LOCKS pages per step: fixed (the budget), p=P (the fewest top pages whose estimated group share "
+                     "reaches P) or cert=P (until a certified lower bound of it does); -b is then the maximum")
+          ->capture_default_str();
+  CLI::Option* min_budget_opt =
+      app.add_option("--min-budget", a->min_budget, "with --budget-rule p= or cert=: tokens kept at least")
+          ->transform(decimal_integer())
+          ->check(CLI::Range(0, kMaxContextTokens));
   app.add_option("-n,--max-tokens", a->max_tokens, "tokens to generate")
       ->transform(decimal_integer())
       ->check(CLI::Range(0, 1 << 24))
@@ -292,7 +323,7 @@ Runner add_run(CLI::App& app) {
           ->transform(decimal_integer())
           ->check(CLI::Range(1, 1000));
   return [a, system_opt, logprobs_opt, prompt_opt, rank_opt, basis_opt, rule_opt, budget_opt, top_p_opt, seed_opt,
-          weights_opt] {
+          weights_opt, budget_rule_opt, min_budget_opt] {
     a->prompt_given = prompt_opt->count() > 0;
     a->budget_given = budget_opt->count() > 0;
     a->top_p_given = top_p_opt->count() > 0;
@@ -300,6 +331,15 @@ Runner add_run(CLI::App& app) {
     a->rank_given = rank_opt->count() > 0;
     a->basis_bits_given = basis_opt->count() > 0;
     a->group_rule_given = rule_opt->count() > 0;
+    a->budget_rule_given = budget_rule_opt->count() > 0 || min_budget_opt->count() > 0;
+    try {
+      if (parse_budget_rule(a->budget_rule).kind == BudgetRule::Kind::kFixed && min_budget_opt->count() > 0)
+        throw CLI::ValidationError("--min-budget", "applies with --budget-rule p= or cert=");
+    } catch (const std::invalid_argument& e) {
+      throw CLI::ValidationError("--budget-rule", e.what());
+    }
+    if (a->min_budget > a->budget)
+      throw CLI::ValidationError("--min-budget", fmt::format("{} is above the budget {}", a->min_budget, a->budget));
     if (system_opt->count() > 0 && !a->chat) throw CLI::ValidationError("--system", "applies with --chat");
     if (a->chat && prompt_opt->count() == 0 && a->prompt_file.empty())
       throw CLI::ValidationError("--chat", "give the user's message with -p TEXT or -f FILE");

@@ -43,9 +43,13 @@ struct EvalConfig {
   std::vector<std::string> selectors = {"full", "oracle", "locks"};  // SelectorSpec strings
   int contexts = 20;                                                 // per (family, length)
   uint64_t seed = 1;
-  SummaryFormat summary;         // base LOCKS summary format
-  bool fidelity = true;          // FidelityProbe at answer steps
-  int locality_contexts = 3;     // contexts per length measured for the locality finding
+  SummaryFormat summary;      // base LOCKS summary format
+  bool fidelity = true;       // FidelityProbe at answer steps
+  int locality_contexts = 3;  // contexts per length measured for the locality finding
+  /// Contexts per length whose full-attention fork (selector `full` must be in the list) measures
+  /// the tail finding (locks/tail_finding.h) with the base summary format, at every decode step of
+  /// the questions and answers.
+  int tail_contexts = 0;
   int continuation_tokens = 64;  // teacher-forced tokens of the continuation task
   bool share_contexts = true;    // multikey = the first question of each multiquery context
   int fork_threads = 0;          // forks of a context run at once (0: one per OpenMP thread)
@@ -53,6 +57,8 @@ struct EvalConfig {
   /// and no locality finding (they read the CPU's cache); forks one at a time.
   Device device = Device::kCpu;
   std::string out_dir = "eval-out";
+  /// Report rows read back from these results.csv files instead of running (report_eval_rows).
+  std::vector<std::string> from_csv;
 };
 
 /// One (context, selector, budget) outcome; budget-free selectors (full) run once with budget 0.
@@ -98,6 +104,18 @@ void check_eval_config(const EvalConfig& cfg);
 std::vector<EvalRow> run_eval(const EvalConfig& cfg,
                               const std::function<void(int done, int total, const std::string& what)>& progress = {},
                               const std::function<void(const std::string& note)>& warn = {});
+
+/// The rows of results.csv files that run_eval wrote (concatenated in order; files of earlier
+/// versions without the budget columns read those as NaN). Throws std::runtime_error naming the file
+/// and line for a file that cannot be read, a header that is not results.csv's or a bad row.
+std::vector<EvalRow> read_eval_rows(const std::vector<std::string>& paths);
+/// The report of rows read back (read_eval_rows) into cfg.out_dir: results.csv (the rows), summary.md
+/// and the plots, as run_eval would have written them for these rows (no locality or tail finding).
+/// Families, lengths, selectors and budgets come from the rows, in order of first appearance; the
+/// contexts per (task, length) from their count; the fidelity tables where a row has fidelity values.
+/// Returns the configuration it reported under. Throws as ResultsCsv / the writers for an unwritable
+/// cfg.out_dir, std::invalid_argument for no rows.
+EvalConfig report_eval_rows(EvalConfig cfg, const std::vector<EvalRow>& rows);
 
 /// Markdown report from finished rows: accuracy per (family, length) as selector x budget, the
 /// continuation agreement, and the fidelity chain per selector x budget.

@@ -84,8 +84,19 @@ class PageSummaryStore {
   /// Quantize and store a float summary (Algorithm 1 output) for (il, kv_head, page). With `keys`
   /// (the page's [B][d] float32 keys it was built from) it also records the largest reconstruction
   /// residual max_i ||k_i - k_hat_i|| of the stored form, which tightens log_mass_error_bounds.
-  /// Throws std::invalid_argument when a scale would overflow f16 (|key| beyond ~1e6).
-  void store(int il, int kv_head, int32_t page, const PageSummaryF32& s, const float* keys = nullptr);
+  /// `rank` in [1, format().rank] keeps only the first `rank` basis columns and coefficients (the
+  /// page's own rank, recorded: page_rank, page_bytes); 0 keeps format().rank. Throws
+  /// std::invalid_argument when a scale would overflow f16 (|key| beyond ~1e6) or for a rank outside
+  /// [0, format().rank].
+  void store(int il, int kv_head, int32_t page, const PageSummaryF32& s, const float* keys = nullptr, int rank = 0);
+  /// The rank a stored page was kept at, and the bytes its summary occupies at that rank
+  /// (SummaryFormat::bytes of the format with that rank).
+  int page_rank(int il, int kv_head, int32_t page) const { return rank_[stored_index(il, kv_head, page)]; }
+  size_t page_bytes(int il, int kv_head, int32_t page) const {
+    return bytes_at_rank_[rank_[stored_index(il, kv_head, page)]];
+  }
+  /// SummaryFormat::bytes of this store's format at `rank` in [0, format().rank].
+  size_t bytes_at_rank(int rank) const { return bytes_at_rank_.at(size_t(rank)); }
   bool has(int il, int kv_head, int32_t page) const { return valid_[index(il, kv_head, page)] != 0; }
   /// How many of `pages`, from the first, have a summary for (il, kv_head): one pass for a whole
   /// page table. Throws std::out_of_range as index() does for a page id outside the pool.
@@ -167,6 +178,8 @@ class PageSummaryStore {
   ZeroedArray<float> tail_;            // [L][H][P]
   ZeroedArray<float> bound_terms_;     // [L][H][P][kBoundTerms]
   ZeroedArray<uint8_t> valid_;         // [L][H][P]
+  ZeroedArray<uint8_t> rank_;          // [L][H][P]: the page's own rank (<= fmt_.rank; the rest stored as zeros)
+  std::vector<size_t> bytes_at_rank_;  // [fmt_.rank + 1]: SummaryFormat::bytes at each rank
 };
 
 }  // namespace locks

@@ -39,12 +39,20 @@ struct BudgetRule {
 };
 /// "fixed", "p=0.9 min=64", "cert=0.95 min=0".
 std::string describe_budget_rule(const BudgetRule& r);
+/// "fixed", "p=P" or "cert=P" (P a decimal number strictly between 0 and 1), min_tokens 0. Throws
+/// std::invalid_argument naming the bad text.
+BudgetRule parse_budget_rule(const std::string& s);
 
 /// What a selector is made from; each selector reads some of it (selector_inputs).
 struct SelectorOptions {
   SummaryFormat summary;  // LOCKS summary format (rank, precisions)
   GroupRule group_rule = GroupRule::kShareAverage;
   BudgetRule budget_rule;  // `locks`: fixed k, top-p or certified
+  /// `locks/bytes=F`: each page's rank (<= summary.rank) chosen at build time so that the mean
+  /// summary bytes per page come to about F times the fixed rank's (F in (0, 1)); 0: every page at
+  /// summary.rank. The rule: per (layer, KV head), the smallest rank whose spectral tail
+  /// sqrt(tau_{j,r}) is at most one threshold, set over the pages seen so far to meet the target.
+  double rank_bytes = 0;
   // Baselines. `centroid` stores its mean at summary.centroid_bits; `second-moment` uses
   // summary.rank / basis_bits / centroid_bits; the shared-basis scopes store centroids and
   // coefficients at summary.centroid_bits / coef_bits.
@@ -65,6 +73,7 @@ enum SelectorInput : unsigned {
   kInputSharedRank = 1u << 6,    // shared_rank
   kInputGlobalBasis = 1u << 7,   // global_basis (an offline calibration pass: `locks eval` only)
   kInputBudgetRule = 1u << 8,    // budget_rule
+  kInputRankBytes = 1u << 9,     // rank_bytes
 };
 
 /// One selection request: the GQA group of KV head `kv_head` in layer `il` of sequence `seq`.

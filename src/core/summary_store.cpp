@@ -2,6 +2,7 @@
 // locks/quant.h) and load. Its Eq. 4 kernels are in summary_score.cpp.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -113,17 +114,41 @@ PageSummaryStore::PageSummaryStore(const SummaryFormat& fmt, int n_layer, int n_
   tail_ = ZeroedArray<float>(n);
   bound_terms_ = ZeroedArray<float>(n * kBoundTerms);
   valid_ = ZeroedArray<uint8_t>(n);
+  rank_ = ZeroedArray<uint8_t>(n);
+  for (int k = 0; k <= fmt.rank; ++k) {
+    SummaryFormat at = fmt;
+    at.rank = k;
+    bytes_at_rank_.push_back(at.bytes(B_, d_));
+  }
 }
 
 // Algorithm 1's output in the stored form (page_summary.h): V int4 per column, C int8 per row, mu int8.
-void PageSummaryStore::store(int il, int kv_head, int32_t page, const PageSummaryF32& s, const float* keys) {
+void PageSummaryStore::store(int il, int kv_head, int32_t page, const PageSummaryF32& full, const float* keys,
+                             int rank) {
   const size_t idx = index(il, kv_head, page);
   const int r = fmt_.rank, d = d_;
-  const int n_rows = int(s.coef.size()) / r;
-  if (int(s.basis.size()) != r * d || int(s.centroid.size()) != d || n_rows != B_)
+  const int n_rows = int(full.coef.size()) / r;
+  if (int(full.basis.size()) != r * d || int(full.centroid.size()) != d || n_rows != B_)
     throw std::invalid_argument(
         fmt::format("page summary store: expects a full page summary of {} rows, rank {}, head_dim {} (got {} rows)",
                     B_, r, d, n_rows));
+  if (rank < 0 || rank > r)
+    throw std::invalid_argument(fmt::format("page summary store: page rank {} outside [0, {}]", rank, r));
+  // A page kept at a lower rank: its last basis columns and coefficients are zeros (an exact rank-k
+  // summary in the rank-r layout: zero codes, zero scales).
+  PageSummaryF32 low;
+  if (rank > 0 && rank < r) {
+    low = full;
+    std::fill(low.basis.begin() + size_t(rank) * d, low.basis.end(), 0.0f);
+    for (int i = 0; i < n_rows; ++i) std::fill_n(&low.coef[size_t(i) * r + rank], r - rank, 0.0f);
+    low.tail = full.tail;
+    for (int k = rank; k < r; ++k)  // directions Alg. 1 kept (a dropped one is in the tail already)
+      if (full.sigma2.size() > size_t(k) &&
+          std::any_of(&full.basis[size_t(k) * d], &full.basis[size_t(k + 1) * d], [](float v) { return v != 0.0f; }))
+        low.tail += full.sigma2[size_t(k)];
+  }
+  const PageSummaryF32& s = rank > 0 && rank < r ? low : full;
+  rank_[idx] = uint8_t(rank == 0 ? r : rank);
 
   uint8_t* bdst = basis_.data() + idx * basis_stride_;
   if (fmt_.basis_bits == 32) {

@@ -16,6 +16,7 @@
 #include "locks/model.h"
 #include "locks/needle_task.h"
 #include "locks/shared_basis.h"
+#include "locks/tail_finding.h"
 
 namespace locks {
 
@@ -67,18 +68,27 @@ class ResultsCsv {
   std::ofstream csv_;
 };
 
+/// The tail finding's pages of one length, and the context each came from.
+struct TailPages {
+  std::vector<TailPage> pages;
+  std::vector<int> context;
+};
+
 /// The end of a run: locality.csv (the finding averaged over the measured contexts of each
-/// length), results.csv closed, summary.md and the plots.
+/// length), tails.csv (every page measured), results.csv closed, summary.md and the plots.
 void finish_eval_report(const EvalConfig& cfg, ResultsCsv& csv, const std::vector<EvalRow>& rows,
-                        const std::map<int, std::vector<LocalityResult>>& locality, const std::vector<int>& loc_ranks);
+                        const std::map<int, std::vector<LocalityResult>>& locality, const std::vector<int>& loc_ranks,
+                        const std::map<int, TailPages>& tails);
 
 /// accuracy_vs_budget_<family>_<length>.svg, carrier_retention_vs_budget_<length>.svg,
-/// locality_<length>.svg (energy captured vs rank by scope) and error_ladder_<length>.svg
-/// (LSE MAE by selector at the median budget) into cfg.out_dir.
+/// locality_<length>.svg (energy captured vs rank by scope), error_ladder_<length>.svg (LSE MAE by
+/// selector at the median budget), accuracy_vs_bytes_<length>.svg (every selector and budget) and
+/// tail_<length>.svg (page properties by error decile) into cfg.out_dir.
 void write_eval_plots(const EvalConfig& cfg, const std::vector<EvalRow>& rows,
-                      const std::map<int, std::vector<LocalityResult>>& locality, const std::vector<int>& loc_ranks);
+                      const std::map<int, std::vector<LocalityResult>>& locality, const std::vector<int>& loc_ranks,
+                      const std::map<int, TailPages>& tails);
 
-/// Removes a previous run's report from `out_dir`: summary.md, locality.csv and the plots
+/// Removes a previous run's report from `out_dir`: summary.md, locality.csv, tails.csv and the plots
 /// write_eval_plots names (of any family and length; other files stay), so that a reused directory,
 /// even after an interrupted run, never mixes two runs. Returns how many files were removed;
 /// failures are ignored (the writers report an unwritable directory).

@@ -23,6 +23,7 @@ unsigned spec_key_input(const std::string& k) {
   if (k == "rule") return kInputGroupRule;
   if (k == "rho") return kInputSharedRank;
   if (k == "p" || k == "cert" || k == "min" || k == "max") return kInputBudgetRule;
+  if (k == "bytes") return kInputRankBytes;
   return 0;
 }
 
@@ -80,19 +81,26 @@ SelectorSpec parse_selector_spec(const std::string& spec, const SummaryFormat& b
       else if (k == "p" || k == "cert") {
         if (s.opts.budget_rule.kind != BudgetRule::Kind::kFixed)
           throw std::invalid_argument(fmt::format("selector '{}': give one of p= and cert=, not both", spec));
+        const int min_tokens = s.opts.budget_rule.min_tokens;
+        try {
+          s.opts.budget_rule = parse_budget_rule(part);
+        } catch (const std::invalid_argument& e) {
+          throw std::invalid_argument(fmt::format("selector '{}': {}", spec, e.what()));
+        }
+        s.opts.budget_rule.min_tokens = min_tokens;
+      } else if (k == "bytes") {
         double x = 0;
         try {
           size_t used = 0;
           x = std::stod(v, &used);
           if (used != v.size()) throw std::invalid_argument("trailing");
         } catch (const std::exception&) {
-          throw std::invalid_argument(fmt::format("selector '{}': {}='{}' is not a number", spec, k, v));
+          throw std::invalid_argument(fmt::format("selector '{}': bytes='{}' is not a number", spec, v));
         }
         if (!(x > 0 && x < 1))
           throw std::invalid_argument(
-              fmt::format("selector '{}': {}={} is not a share strictly between 0 and 1", spec, k, v));
-        s.opts.budget_rule.kind = k == "p" ? BudgetRule::Kind::kTopP : BudgetRule::Kind::kCertified;
-        s.opts.budget_rule.mass = x;
+              fmt::format("selector '{}': bytes={} is not a fraction strictly between 0 and 1", spec, v));
+        s.opts.rank_bytes = x;
       } else if (k == "min") {
         s.opts.budget_rule.min_tokens = as_int();
         if (s.opts.budget_rule.min_tokens < 0)
@@ -110,7 +118,8 @@ SelectorSpec parse_selector_spec(const std::string& spec, const SummaryFormat& b
         }
       else
         throw std::invalid_argument(fmt::format(
-            "selector '{}': unknown key '{}' (r, basis, coef, centroid, rule, rho, p, cert, min, max)", spec, k));
+            "selector '{}': unknown key '{}' (r, basis, coef, centroid, rule, rho, p, cert, min, max, bytes)", spec,
+            k));
     }
     start = end + 1;
   }
@@ -148,6 +157,10 @@ void check_eval_config(const EvalConfig& cfg) {
                           str, s.opts.budget_rule.min_tokens, b));
   }
   if (cfg.contexts < 1) throw std::invalid_argument("contexts must be >= 1");
+  if (cfg.tail_contexts > 0 &&
+      std::none_of(cfg.selectors.begin(), cfg.selectors.end(), [](const std::string& x) { return x == "full"; }))
+    throw std::invalid_argument(
+        "tail contexts: the tail finding rides on full attention's decode steps: add selector full");
   if (cfg.continuation_tokens < 1) throw std::invalid_argument("continuation tokens must be >= 1");
   for (int len : cfg.lengths) {
     if (len < 256 || len > kMaxContextTokens)

@@ -7,9 +7,12 @@
 #include <array>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <limits>
+#include <set>
 #include <stdexcept>
 #include <system_error>
+#include <tuple>
 
 #include "eval/eval_internal.h"
 #include "locks/svg_plot.h"
@@ -40,9 +43,9 @@ std::string num(double v, int prec = 3) { return std::isnan(v) ? "–" : fmt::fo
 bool is_retrieval(const std::string& f) { return f != "continuation"; }
 
 // write_eval_plots' files: <dir>/<prefix><family and/or length>.svg.
-enum Plot { kAccuracy, kCarrier, kLadder, kLocality, kBytes };
-constexpr std::array<const char*, 5> kPlotPrefixes = {"accuracy_vs_budget_", "carrier_retention_vs_budget_",
-                                                      "error_ladder_", "locality_", "accuracy_vs_bytes_"};
+enum Plot { kAccuracy, kCarrier, kLadder, kLocality, kBytes, kTail };
+constexpr std::array<const char*, 6> kPlotPrefixes = {
+    "accuracy_vs_budget_", "carrier_retention_vs_budget_", "error_ladder_", "locality_", "accuracy_vs_bytes_", "tail_"};
 
 // One (selector, budget) over the retrieval families of a length: accuracy and the means of the
 // per-row efficiency columns; each budget a selector ran at, in order (a budget-free one once).
@@ -123,8 +126,53 @@ std::string ResultsCsv::csv_row(const EvalRow& r) {
       csv_num(r.budget_p50), csv_num(r.budget_p95), csv_num(r.mass_target_met));
 }
 
+namespace {
+
+// The tail finding of one length as Markdown: error quantiles, the deciles and the predictors.
+std::string tail_markdown(int len, const TailPages& t) {
+  const TailSummary ts = summarize_tails(t.pages, t.context);
+  const auto& names = tail_property_names();
+  std::string out = fmt::format(
+      "## tail finding @ {} tokens ({} pages x (layer, KV head) of {} context(s), full attention's decode steps)\n\n"
+      "Per-page mean |s_hat - s| (nats): mean {:.4f}, p50 {:.4f}, p90 {:.4f}, p99 {:.4f}, max {:.4f}.\n\n"
+      "| error decile (within its layer, KV head) | mean error |",
+      len, ts.pages, std::set<int>(t.context.begin(), t.context.end()).size(), ts.err_mean, ts.err_p50, ts.err_p90,
+      ts.err_p99, ts.err_max);
+  for (const char* n : names) out += fmt::format(" {} pct |", n);
+  out += "\n|---|---|";
+  for (size_t k = 0; k < names.size(); ++k) out += "---|";
+  out += "\n";
+  for (size_t dc = 0; dc < 10; ++dc) {
+    out += fmt::format("| {} | {:.4f} |", dc + 1, ts.decile_err[dc]);
+    for (double v : ts.decile_property_pct[dc]) out += fmt::format(" {:.3f} |", v);
+    out += "\n";
+  }
+  out += "\n| predictor | Spearman with the error | precision at the top decile (chance 0.100) |\n|---|---|---|\n";
+  for (size_t k = 0; k < names.size(); ++k)
+    out += fmt::format("| {} | {:.3f} | {:.3f} |\n", names[k], ts.spearman[k], ts.precision_top10[k]);
+  return out + "\n";
+}
+
+void write_tails_csv(const std::string& dir, const std::map<int, TailPages>& tails) {
+  std::string csv = "length,context,layer,kv_head,page,queries,err_mean,err_max";
+  for (const char* n : tail_property_names()) csv += fmt::format(",{}", n);
+  csv += "\n";
+  for (const auto& [len, t] : tails)
+    for (size_t i = 0; i < t.pages.size(); ++i) {
+      const TailPage& p = t.pages[i];
+      csv += fmt::format("{},{},{},{},{},{},{:.6g},{:.6g}", len, t.context[i], p.layer, p.kv_head, p.page, p.queries,
+                         p.err_mean, p.err_max);
+      for (double v : tail_properties(p)) csv += fmt::format(",{:.6g}", v);
+      csv += "\n";
+    }
+  write_text_file(dir + "/tails.csv", csv);
+}
+
+}  // namespace
+
 void finish_eval_report(const EvalConfig& cfg, ResultsCsv& csv, const std::vector<EvalRow>& rows,
-                        const std::map<int, std::vector<LocalityResult>>& locality, const std::vector<int>& loc_ranks) {
+                        const std::map<int, std::vector<LocalityResult>>& locality, const std::vector<int>& loc_ranks,
+                        const std::map<int, TailPages>& tails) {
   std::string loc = "length,rank,page_local,sequence,global\n";
   for (const auto& [len, results] : locality) {
     for (size_t k = 0; k < loc_ranks.size(); ++k) {
@@ -133,15 +181,24 @@ void finish_eval_report(const EvalConfig& cfg, ResultsCsv& csv, const std::vecto
     }
   }
   write_text_file(cfg.out_dir + "/locality.csv", loc);
+  if (!tails.empty()) write_tails_csv(cfg.out_dir, tails);
   csv.close();
-  write_text_file(cfg.out_dir + "/summary.md", eval_summary_markdown(cfg, rows));
-  write_eval_plots(cfg, rows, locality, loc_ranks);
+  std::string summary = eval_summary_markdown(cfg, rows);
+  for (const auto& [len, t] : tails)
+    if (!t.pages.empty()) summary += tail_markdown(len, t);
+  write_text_file(cfg.out_dir + "/summary.md", summary);
+  write_eval_plots(cfg, rows, locality, loc_ranks, tails);
 }
 
 std::string eval_summary_markdown(const EvalConfig& cfg, const std::vector<EvalRow>& rows) {
-  std::string out = fmt::format(
-      "# locks eval\n\nmodel `{}`, corpus `{}`, {} contexts per (task, length), seed {}, LOCKS base format {}\n\n",
-      cfg.model_path, cfg.corpus_path, cfg.contexts, cfg.seed, cfg.summary.describe());
+  std::string out =
+      cfg.from_csv.empty()
+          ? fmt::format(
+                "# locks eval\n\nmodel `{}`, corpus `{}`, {} contexts per (task, length), seed {}, LOCKS base format "
+                "{}\n\n",
+                cfg.model_path, cfg.corpus_path, cfg.contexts, cfg.seed, cfg.summary.describe())
+          : fmt::format("# locks eval\n\nrows read back from `{}`, up to {} contexts per (task, length)\n\n",
+                        fmt::join(cfg.from_csv, "`, `"), cfg.contexts);
   for (int len : cfg.lengths) {
     for (const auto& fam : cfg.families) {
       const bool retr = is_retrieval(fam);
@@ -238,6 +295,116 @@ std::string eval_summary_markdown(const EvalConfig& cfg, const std::vector<EvalR
   return out;
 }
 
+std::vector<EvalRow> read_eval_rows(const std::vector<std::string>& paths) {
+  // The columns of kCsvHeader, in order; files of earlier versions end before the budget columns.
+  const auto split = [](const std::string& line) {
+    std::vector<std::string> f;
+    size_t start = 0;
+    for (size_t comma; (comma = line.find(',', start)) != std::string::npos; start = comma + 1)
+      f.push_back(line.substr(start, comma - start));
+    f.push_back(line.substr(start));
+    return f;
+  };
+  const std::vector<std::string> header = split(kCsvHeader);
+  const size_t n_old = header.size() - 4;  // before budget_mean, budget_p50, budget_p95, mass_target_met
+  std::vector<EvalRow> rows;
+  for (const std::string& path : paths) {
+    std::ifstream in(path);
+    if (!in) throw std::runtime_error(fmt::format("cannot read '{}'", path));
+    std::string line;
+    std::getline(in, line);
+    const std::vector<std::string> got = split(line);
+    if (!(got == header || (got.size() == n_old && std::equal(got.begin(), got.end(), header.begin()))))
+      throw std::runtime_error(fmt::format("'{}': line 1 is not the header of locks eval's results.csv", path));
+    for (int ln = 2; std::getline(in, line); ++ln) {
+      if (line.empty()) continue;
+      const std::vector<std::string> f = split(line);
+      try {
+        if (f.size() != got.size()) throw std::invalid_argument(fmt::format("{} fields", f.size()));
+        size_t i = 0;
+        const auto str = [&] { return f[i++]; };
+        const auto num = [&] {
+          const std::string& v = f[i++];
+          if (v.empty()) return kNaN;
+          size_t used = 0;
+          double x = 0;
+          try {
+            x = std::stod(v, &used);
+          } catch (const std::exception&) {
+            used = 0;
+          }
+          if (used != v.size() || used == 0)
+            throw std::invalid_argument(fmt::format("column {}: '{}' is not a number", header[i - 1], v));
+          return x;
+        };
+        const auto integer = [&](double lo, double hi) {
+          const double x = num();
+          if (!(x >= lo && x <= hi && x == std::floor(x)))
+            throw std::invalid_argument(
+                fmt::format("column {}: '{}' is not an integer in [{:g}, {:g}]", header[i - 1], f[i - 1], lo, hi));
+          return x;
+        };
+        constexpr double kInt = 2147483647.0;
+        EvalRow r;
+        r.family = str();
+        r.length = int(integer(0, kInt)), r.context = int(integer(0, kInt));
+        {
+          const std::string v = str();
+          size_t used = 0;
+          try {
+            r.task_seed = std::stoull(v, &used);
+          } catch (const std::exception&) {
+            used = 0;
+          }
+          if (used == 0 || used != v.size() || v[0] == '-')
+            throw std::invalid_argument(fmt::format("column task_seed: '{}' is not a seed", v));
+        }
+        r.selector = str();
+        r.budget = int(integer(0, kInt)), r.correct = integer(0, 1) != 0, r.answer_tokens = int(integer(0, kInt));
+        r.answer_tokens_correct = int(integer(0, kInt)), r.kl_vs_full = num();
+        r.decode_steps = int64_t(integer(0, 9007199254740992.0));
+        r.bytes_read_per_step = num(), r.dense_bytes_per_step = num(), r.read_ratio = num();
+        r.prompt_tokens = int(integer(0, kInt)), r.decode_seconds = num();
+        for (double* v :
+             {&r.lse_mae, &r.logit_mae, &r.spearman, &r.coverage, &r.worst_head_coverage, &r.oracle_coverage,
+              &r.output_rel_err, &r.carrier_retention, &r.carrier_retention_any, &r.carrier_obs})
+          *v = num();
+        r.budget_mean = r.budget_p50 = r.budget_p95 = r.mass_target_met = kNaN;
+        if (f.size() == header.size())
+          for (double* v : {&r.budget_mean, &r.budget_p50, &r.budget_p95, &r.mass_target_met}) *v = num();
+        rows.push_back(r);
+      } catch (const std::exception& e) {
+        throw std::runtime_error(fmt::format("'{}', line {}: {}", path, ln, e.what()));
+      }
+    }
+  }
+  return rows;
+}
+
+EvalConfig report_eval_rows(EvalConfig cfg, const std::vector<EvalRow>& rows) {
+  if (rows.empty()) throw std::invalid_argument("no rows to report");
+  cfg.families.clear(), cfg.lengths.clear(), cfg.selectors.clear(), cfg.budgets.clear();
+  const auto add = [](auto& list, const auto& v) {
+    if (std::find(list.begin(), list.end(), v) == list.end()) list.push_back(v);
+  };
+  std::map<std::tuple<std::string, int, std::string, int>, int> per_cell;
+  bool fidelity = false;
+  for (const EvalRow& r : rows) {
+    add(cfg.families, r.family), add(cfg.lengths, r.length), add(cfg.selectors, r.selector);
+    if (r.budget > 0) add(cfg.budgets, r.budget);
+    ++per_cell[{r.family, r.length, r.selector, r.budget}];
+    fidelity |= !std::isnan(r.lse_mae);
+  }
+  std::sort(cfg.budgets.begin(), cfg.budgets.end());
+  cfg.contexts = 0;
+  for (const auto& [cell, n] : per_cell) cfg.contexts = std::max(cfg.contexts, n);
+  cfg.fidelity = fidelity;
+  ResultsCsv csv(cfg.out_dir);
+  for (const EvalRow& r : rows) csv.add(r);
+  finish_eval_report(cfg, csv, rows, {}, {}, {});
+  return cfg;
+}
+
 int remove_eval_report(const std::string& out_dir) {
   namespace fs = std::filesystem;
   std::error_code ec;
@@ -245,7 +412,7 @@ int remove_eval_report(const std::string& out_dir) {
   for (fs::directory_iterator it(out_dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
     if (!it->is_regular_file(ec)) continue;
-    if (name == "summary.md" || name == "locality.csv") {
+    if (name == "summary.md" || name == "locality.csv" || name == "tails.csv") {
       stale.push_back(it->path());
       continue;
     }
@@ -262,7 +429,22 @@ int remove_eval_report(const std::string& out_dir) {
 }
 
 void write_eval_plots(const EvalConfig& cfg, const std::vector<EvalRow>& rows,
-                      const std::map<int, std::vector<LocalityResult>>& locality, const std::vector<int>& loc_ranks) {
+                      const std::map<int, std::vector<LocalityResult>>& locality, const std::vector<int>& loc_ranks,
+                      const std::map<int, TailPages>& tails) {
+  for (const auto& [len, t] : tails) {
+    if (t.pages.empty()) continue;
+    const TailSummary ts = summarize_tails(t.pages, t.context);
+    std::vector<PlotSeries> series;
+    for (size_t k = 0; k < tail_property_names().size(); ++k) {
+      PlotSeries sr{tail_property_names()[k], {}, {}};
+      for (size_t dc = 0; dc < 10; ++dc) sr.x.push_back(double(dc + 1)), sr.y.push_back(ts.decile_property_pct[dc][k]);
+      series.push_back(std::move(sr));
+    }
+    write_text_file(plot_path(cfg.out_dir, kTail, std::to_string(len)),
+                    svg_line_chart(fmt::format("page properties by error decile @ {} tokens (0.5 = unrelated)", len),
+                                   "decile of the page's summary error within its (layer, KV head)",
+                                   "mean percentile of the property", series, false, 0.0, 1.0));
+  }
   std::vector<double> xs(cfg.budgets.begin(), cfg.budgets.end());
   for (int len : cfg.lengths) {
     for (const auto& fam : cfg.families) {

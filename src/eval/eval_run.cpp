@@ -150,6 +150,7 @@ struct EvalRun {
   int done = 0;
   std::vector<EvalRow> rows{};
   std::map<int, std::vector<LocalityResult>> locality{};  // by length
+  std::map<int, TailPages> tails{};                       // by length
 
   void add(const EvalRow& row) {
     csv.add(row);
@@ -189,8 +190,11 @@ void run_needle_context(EvalRun& run, int len, NeedleFamily fam, int c) {
     const Selector* prepared;
     int budget;
     EvalRow row;
-    int prefix = -1;  // multikey row (index into prefix_rows) filled from this run's first question
+    int prefix = -1;                // multikey row (index into prefix_rows) filled from this run's first question
+    std::vector<TailPage> tails{};  // the tail finding, measured on this (full attention) fork
   };
+  // The tail finding rides on full attention's decode steps of the task with every question.
+  const bool measure_tails = c < cfg.tail_contexts && fam == plan.loc_family;
   // A multikey run is an exact prefix of the multiquery run on its context (same tokens, same
   // decode steps, deterministic), so each multiquery fork also yields the multikey row.
   std::vector<EvalRow> prefix_rows;
@@ -229,13 +233,18 @@ void run_needle_context(EvalRun& run, int len, NeedleFamily fam, int c) {
     try {
       Session s = fork(base, fork_config(*j.spec, j.budget), j.prepared);
       std::unique_ptr<FidelityProbe> probe;
+      std::unique_ptr<TailProbe> tail_probe;
       if (cfg.fidelity && !budget_free(j.spec->name)) {
         probe = std::make_unique<FidelityProbe>();
         s.set_observer(probe.get());
+      } else if (measure_tails && j.spec->name == "full" && j.task == &tasks.back()) {
+        tail_probe = std::make_unique<TailProbe>(s.cache(), s.sequence(), cfg.summary);
+        s.set_observer(tail_probe.get());
       }
       answer_questions(s, *j.task, probe.get(), j.row, j.prefix >= 0 ? &prefix_rows[size_t(j.prefix)] : nullptr);
       fill_fidelity(probe.get(), j.row);
       s.set_observer(nullptr);
+      if (tail_probe) j.tails = tail_probe->pages();
       fill_efficiency(s, j.row);
     } catch (const std::exception& e) {
       errors[size_t(i)] = e.what();
@@ -244,7 +253,12 @@ void run_needle_context(EvalRun& run, int len, NeedleFamily fam, int c) {
   for (const auto& e : errors)
     if (!e.empty()) throw std::runtime_error(e);
   for (const auto& r : prefix_rows) run.add(r);
-  for (const auto& j : jobs) run.add(j.row);
+  for (const auto& j : jobs) {
+    run.add(j.row);
+    TailPages& t = run.tails[len];
+    t.pages.insert(t.pages.end(), j.tails.begin(), j.tails.end());
+    t.context.insert(t.context.end(), j.tails.size(), c);
+  }
   run.csv.flush();
   run.done += int(tasks.size());
 }
@@ -332,8 +346,10 @@ EvalConfig effective_config(const EvalConfig& given, const std::function<void(co
   if (cfg.device != Device::kCuda) return cfg;
   if (cfg.fidelity && warn) warn("--device cuda: no fidelity chain (it reads the KV cache on the CPU)");
   if (cfg.locality_contexts > 0 && warn) warn("--device cuda: no locality finding (it reads the KV cache on the CPU)");
+  if (cfg.tail_contexts > 0 && warn) warn("--device cuda: no tail finding (it reads the KV cache on the CPU)");
   cfg.fidelity = false;
   cfg.locality_contexts = 0;
+  cfg.tail_contexts = 0;
   cfg.fork_threads = 1;
   return cfg;
 }
@@ -357,7 +373,7 @@ std::vector<EvalRow> run_eval(const EvalConfig& given, const EvalProgress& progr
       for (int c = 0; c < cfg.contexts; ++c) run_continuation_context(run, len, c);
   }
   if (progress) progress(run.done, run.total, "writing the report");
-  finish_eval_report(cfg, csv, run.rows, run.locality, plan.loc_ranks);
+  finish_eval_report(cfg, csv, run.rows, run.locality, plan.loc_ranks, run.tails);
   return run.rows;
 }
 

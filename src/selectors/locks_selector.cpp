@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <stdexcept>
+#include <unordered_map>
 #include <vector>
 
 #include "selectors/selectors.h"
@@ -14,10 +15,15 @@
 namespace locks {
 
 LocksSelector::LocksSelector(const KvCacheConfig& cfg, const SummaryFormat& fmt, GroupRule rule,
-                             const BudgetRule& budget_rule)
+                             const BudgetRule& budget_rule, double rank_bytes)
     : store_(fmt, cfg.n_layer, cfg.n_head_kv, cfg.n_pages, cfg.page_size, cfg.head_dim),
       rule_(rule),
-      budget_rule_(budget_rule) {
+      budget_rule_(budget_rule),
+      rank_bytes_(rank_bytes),
+      n_head_kv_(cfg.n_head_kv),
+      tail_profiles_(size_t(cfg.n_layer) * cfg.n_head_kv) {
+  if (rank_bytes != 0 && !(rank_bytes > 0 && rank_bytes < 1))
+    throw std::invalid_argument(fmt::format("locks: rank bytes {} outside (0, 1)", rank_bytes));
   if (budget_rule.kind == BudgetRule::Kind::kFixed) return;
   if (!(budget_rule.mass > 0 && budget_rule.mass < 1))
     throw std::invalid_argument(fmt::format("locks: target share {} outside (0, 1)", budget_rule.mass));
@@ -35,9 +41,86 @@ std::string LocksSelector::name() const { return "locks"; }
 void LocksSelector::do_on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) {
   // Alg. 1 for every (page, KV head): independent, so batched across cores.
   const auto& cfg = cache.config();
-  for_each_page_head(cache, il, page_ids, [&](const float* keys, int l, int h, int32_t page) {
-    store_.store(l, h, page, build_page_summary(keys, cfg.page_size, cfg.head_dim, store_.format().rank), keys);
+  if (rank_bytes_ == 0) {
+    for_each_page_head(cache, il, page_ids, [&](const float* keys, int l, int h, int32_t page) {
+      store_.store(l, h, page, build_page_summary(keys, cfg.page_size, cfg.head_dim, store_.format().rank), keys);
+    });
+    return;
+  }
+  // Per-page ranks: build everything, choose each head's ranks from the spectra, then store.
+  const size_t n = page_ids.size(), H = size_t(cfg.n_head_kv);
+  std::vector<PageSummaryF32> built(n * H);
+  std::vector<std::vector<float>> keys(n * H);
+  std::unordered_map<int32_t, size_t> slot;  // page id -> position in page_ids
+  for (size_t p = 0; p < n; ++p) slot.emplace(page_ids[p], p);
+  for_each_page_head(cache, il, page_ids, [&](const float* k, int, int h, int32_t page) {
+    const size_t t = slot.at(page) * H + size_t(h);
+    keys[t].assign(k, k + size_t(cfg.page_size) * cfg.head_dim);
+    built[t] = build_page_summary(k, cfg.page_size, cfg.head_dim, store_.format().rank);
   });
+  std::vector<std::vector<int>> ranks(H);
+  for (size_t h = 0; h < H; ++h) {
+    std::vector<const PageSummaryF32*> head;
+    for (size_t p = 0; p < n; ++p) head.push_back(&built[p * H + h]);
+    ranks[h] = choose_ranks(il, int(h), head);
+  }
+  parallel_for(
+      int(n * H),
+      [&](int t) {
+        store_.store(il, t % int(H), page_ids[size_t(t) / H], built[size_t(t)], keys[size_t(t)].data(),
+                     ranks[size_t(t) % H][size_t(t) / H]);
+      },
+      /*min_parallel=*/9, /*dynamic_chunk=*/4);
+}
+
+std::vector<int> LocksSelector::choose_ranks(int il, int h, const std::vector<const PageSummaryF32*>& pages) {
+  const int R = store_.format().rank;
+  std::vector<float>& prof = tail_profiles_[size_t(il) * n_head_kv_ + h];
+  // sqrt(tau_{j,r}) for r = 1..R (non-increasing in r), from the page's eigenvalues.
+  for (const PageSummaryF32* s : pages) {
+    double tail = 0;
+    for (size_t k = size_t(R); k < s->sigma2.size(); ++k) tail += s->sigma2[k];
+    std::vector<float> p(static_cast<size_t>(R));
+    for (int r = R; r >= 1; --r) {
+      p[size_t(r - 1)] = float(std::sqrt(tail));
+      if (size_t(r - 1) < s->sigma2.size()) tail += s->sigma2[size_t(r - 1)];
+    }
+    prof.insert(prof.end(), p.begin(), p.end());
+  }
+  // The threshold follows the most recent pages (bounded work per filled page on long sequences).
+  constexpr size_t kHistory = 4096;
+  if (const size_t keep = std::max(kHistory, pages.size()) * size_t(R); prof.size() > keep)
+    prof.erase(prof.begin(), prof.end() - std::ptrdiff_t(keep));
+  const size_t n_seen = prof.size() / size_t(R);
+  // The rank of a page under threshold theta: the smallest r with sqrt(tau_r) <= theta (R at most).
+  const auto rank_at = [&](size_t j, float theta) {
+    for (int r = 1; r < R; ++r)
+      if (prof[j * R + size_t(r - 1)] <= theta) return r;
+    return R;
+  };
+  // Mean bytes over every page seen is non-increasing in theta: the smallest theta meeting the target,
+  // by bisection over the profile values.
+  std::vector<float> cand(prof.begin(), prof.end());
+  cand.push_back(0.0f);
+  std::sort(cand.begin(), cand.end());
+  cand.erase(std::unique(cand.begin(), cand.end()), cand.end());
+  const double target = rank_bytes_ * double(store_.summary_bytes());
+  const auto mean_bytes = [&](float theta) {
+    double b = 0;
+    for (size_t j = 0; j < n_seen; ++j) b += double(store_.bytes_at_rank(rank_at(j, theta)));
+    return b / double(n_seen);
+  };
+  size_t lo = 0, hi = cand.size() - 1;  // mean_bytes(cand[hi]) is the least (every page at rank 1 or exact)
+  while (lo < hi) {
+    const size_t mid = (lo + hi) / 2;
+    if (mean_bytes(cand[mid]) <= target)
+      hi = mid;
+    else
+      lo = mid + 1;
+  }
+  std::vector<int> out;
+  for (size_t j = n_seen - pages.size(); j < n_seen; ++j) out.push_back(rank_at(j, cand[lo]));
+  return out;
 }
 
 void LocksSelector::do_select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out) {
@@ -57,7 +140,11 @@ void LocksSelector::do_select(const PagedKvCache& cache, const SelectionRequest&
   const int n_scored = int(store_.stored_prefix(req.il, req.kv_head, table));
   ids.assign(table.begin(), table.begin() + n_scored);
   store_.score_pages(req.il, req.kv_head, ids, req.q, G, scale, log_mass.data(), size_t(n_pages));  // Eq. 4
-  size_t bytes = size_t(n_scored) * store_.summary_bytes();
+  size_t bytes = 0;
+  if (rank_bytes_ > 0)
+    for (int j = 0; j < n_scored; ++j) bytes += store_.page_bytes(req.il, req.kv_head, ids[size_t(j)]);
+  else
+    bytes = size_t(n_scored) * store_.summary_bytes();
   if (certified) {  // |s - s_hat| per head and page; the exactly scored partial page has none
     bound.assign(size_t(G) * n_pages, 0.0f);
     store_.log_mass_error_bounds(req.il, req.kv_head, ids, req.q, G, scale, bound.data(), size_t(n_pages));
@@ -74,7 +161,7 @@ void LocksSelector::do_select(const PagedKvCache& cache, const SelectionRequest&
           bound[size_t(g) * n_pages + j] =
               store_.log_mass_error_bound(req.il, req.kv_head, page, req.q + size_t(g) * d, scale);
       }
-      bytes += store_.summary_bytes() + (certified ? PageSummaryStore::bound_bytes() : 0);
+      bytes += store_.page_bytes(req.il, req.kv_head, page) + (certified ? PageSummaryStore::bound_bytes() : 0);
     } else {
       // The partial recent page has no summary yet: its exact log-mass (<= B-1 keys, which
       // attention reads anyway) keeps the per-head share normalisation honest.

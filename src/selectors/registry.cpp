@@ -43,9 +43,9 @@ const SelectorRow kSelectors[] = {
      [](const KvCacheConfig&, const SelectorOptions& o) -> std::unique_ptr<Selector> {
        return std::make_unique<OracleSelector>(o.group_rule);
      }},
-    {"locks", kInputBudget | kSummary | kInputGroupRule | kInputBudgetRule,
+    {"locks", kInputBudget | kSummary | kInputGroupRule | kInputBudgetRule | kInputRankBytes,
      [](const KvCacheConfig& c, const SelectorOptions& o) -> std::unique_ptr<Selector> {
-       return std::make_unique<LocksSelector>(c, o.summary, o.group_rule, o.budget_rule);
+       return std::make_unique<LocksSelector>(c, o.summary, o.group_rule, o.budget_rule, o.rank_bytes);
      }},
     {"quest", kInputBudget | kInputGroupRule,
      [](const KvCacheConfig& c, const SelectorOptions& o) -> std::unique_ptr<Selector> {
@@ -94,6 +94,7 @@ SelectorOptions read_options(unsigned inputs, const SelectorOptions& opts) {
   if (inputs & kInputSharedRank) n.shared_rank = opts.shared_rank;
   if (inputs & kInputGlobalBasis) n.global_basis = opts.global_basis;
   if (inputs & kInputBudgetRule) n.budget_rule = opts.budget_rule;
+  if (inputs & kInputRankBytes) n.rank_bytes = opts.rank_bytes;
   return n;
 }
 
@@ -118,7 +119,7 @@ bool same_selector(const std::string& name_a, const SelectorOptions& a, const st
   return x.summary.rank == y.summary.rank && x.summary.basis_bits == y.summary.basis_bits &&
          x.summary.coef_bits == y.summary.coef_bits && x.summary.centroid_bits == y.summary.centroid_bits &&
          x.group_rule == y.group_rule && x.shared_rank == y.shared_rank && x.global_basis == y.global_basis &&
-         x.budget_rule == y.budget_rule;
+         x.budget_rule == y.budget_rule && x.rank_bytes == y.rank_bytes;
 }
 
 std::string describe_selector(const std::string& name, const SelectorOptions& opts) {
@@ -135,6 +136,7 @@ std::string describe_selector(const std::string& name, const SelectorOptions& op
   if (in & kInputSharedRank) words.push_back(fmt::format("rho={}", opts.shared_rank));
   if ((in & kInputBudgetRule) && opts.budget_rule.kind != BudgetRule::Kind::kFixed)
     words.push_back(describe_budget_rule(opts.budget_rule));
+  if ((in & kInputRankBytes) && opts.rank_bytes > 0) words.push_back(fmt::format("bytes={:g}", opts.rank_bytes));
   if (in & kInputGlobalBasis)
     words.push_back(fmt::format("global-basis@{}", static_cast<const void*>(opts.global_basis.get())));
   return fmt::format("{}", fmt::join(words, " "));

@@ -24,6 +24,25 @@ std::string describe_budget_rule(const BudgetRule& r) {
   return "?";
 }
 
+BudgetRule parse_budget_rule(const std::string& s) {
+  if (s == "fixed") return {};
+  const size_t eq = s.find('=');
+  const std::string k = s.substr(0, eq), v = eq == std::string::npos ? "" : s.substr(eq + 1);
+  if (eq == std::string::npos || (k != "p" && k != "cert"))
+    throw std::invalid_argument(fmt::format("budget rule '{}': expected fixed, p=P or cert=P", s));
+  double x = 0;
+  try {
+    size_t used = 0;
+    x = std::stod(v, &used);
+    if (used != v.size()) throw std::invalid_argument("trailing");
+  } catch (const std::exception&) {
+    throw std::invalid_argument(fmt::format("{}='{}' is not a number", k, v));
+  }
+  if (!(x > 0 && x < 1))
+    throw std::invalid_argument(fmt::format("{}={} is not a share strictly between 0 and 1", k, v));
+  return {k == "p" ? BudgetRule::Kind::kTopP : BudgetRule::Kind::kCertified, x, 0};
+}
+
 namespace {
 
 // Certified lower bound of the kept group share, maintained as pages move from the dropped set to

@@ -34,7 +34,8 @@ class LocksSelector final : public Selector {
  public:
   /// Throws std::invalid_argument for an adaptive budget rule with a target share outside (0, 1), a
   /// negative minimum, or a group rule other than share-average (the target is an Eq. 5 share).
-  LocksSelector(const KvCacheConfig& cfg, const SummaryFormat& fmt, GroupRule rule, const BudgetRule& budget_rule = {});
+  LocksSelector(const KvCacheConfig& cfg, const SummaryFormat& fmt, GroupRule rule, const BudgetRule& budget_rule = {},
+                double rank_bytes = 0);
   std::string name() const override;
   void do_on_pages_filled(const PagedKvCache& cache, int il, std::span<const int32_t> page_ids) override;
   void do_select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out) override;
@@ -43,9 +44,17 @@ class LocksSelector final : public Selector {
   const PageSummaryStore& store() const { return store_; }
 
  private:
+  /// SelectorOptions::rank_bytes: each page's rank from its spectral tail, per (layer, KV head)
+  /// against one threshold that keeps the mean bytes of the pages seen so far at the target.
+  std::vector<int> choose_ranks(int il, int h, const std::vector<const PageSummaryF32*>& pages);
+
   PageSummaryStore store_;
   GroupRule rule_;
   BudgetRule budget_rule_;
+  double rank_bytes_ = 0;
+  int n_head_kv_ = 0;
+  // Per (layer, KV head): sqrt(tau_{j,r}) for r = 1..rank of every page seen (rank values per page).
+  std::vector<std::vector<float>> tail_profiles_;
 };
 
 // =============================================================================================
