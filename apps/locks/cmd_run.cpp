@@ -38,6 +38,7 @@ struct RunArgs {
   std::string group_rule = "share-average";
   std::string budget_rule = "fixed";
   int min_budget = 0;
+  double rank_bytes = 0;
   int max_tokens = 32;
   float temperature = 0.0f;
   float top_p = 1.0f;
@@ -53,7 +54,8 @@ struct RunArgs {
   bool chat = false;
   std::string system;
   bool prompt_given = false;  // -p was passed (an empty prompt then means BOS only)
-  bool rank_given = false, basis_bits_given = false, group_rule_given = false, budget_rule_given = false;
+  bool rank_given = false, basis_bits_given = false, group_rule_given = false, budget_rule_given = false,
+       rank_bytes_given = false;
   bool budget_given = false, top_p_given = false, seed_given = false;
 };
 
@@ -72,6 +74,7 @@ SelectorOptions selector_options(const RunArgs& a) {
   o.group_rule = parse_group_rule(a.group_rule);
   o.budget_rule = parse_budget_rule(a.budget_rule);
   o.budget_rule.min_tokens = a.min_budget;
+  o.rank_bytes = a.rank_bytes;
   return o;
 }
 
@@ -117,6 +120,7 @@ int run(const RunArgs& a) {
   ignored(a.basis_bits_given, "--basis-bits", kInputBasisBits);
   ignored(a.group_rule_given, "--group-rule", kInputGroupRule);
   ignored(a.budget_rule_given, "--budget-rule/--min-budget", kInputBudgetRule);
+  ignored(a.rank_bytes_given, "--rank-bytes", kInputRankBytes);
   ignored(a.budget_given, "-b/--budget", kInputBudget);
   for (auto [given, opt] : {std::pair{a.top_p_given, "--top-p"}, std::pair{a.seed_given, "--seed"}})
     if (given && a.temperature == 0.0f)
@@ -170,7 +174,7 @@ int run(const RunArgs& a) {
   double kept_sum = 0, kept_n = 0;
   for (size_t k = 0; k < r.decode.pages_kept.size(); ++k)
     kept_sum += double(k) * r.decode.pages_kept[k], kept_n += double(r.decode.pages_kept[k]);
-  const double kept_mean = kept_n > 0 ? 16.0 * kept_sum / kept_n : 0.0;
+  const double kept_mean = kept_n > 0 ? double(session.cache().page_size()) * kept_sum / kept_n : 0.0;  // (CPU only)
   const double target_met =
       r.decode.mass_target_tried ? double(r.decode.mass_target_met) / double(r.decode.mass_target_tried) : 0.0;
   if (a.json) {
@@ -183,8 +187,9 @@ int run(const RunArgs& a) {
     j["budget_tokens"] = reads_budget ? nlohmann::json(a.budget) : nlohmann::json();  // full: every page
     if (adaptive) {
       j["budget_rule"] = describe_budget_rule(sc.selector_opts.budget_rule);
-      j["kept_tokens_mean"] = kept_mean;
-      j["mass_target_met"] = target_met;
+      const bool any = r.decode.mass_target_tried > 0;  // null when no step selected
+      j["kept_tokens_mean"] = any ? nlohmann::json(kept_mean) : nlohmann::json();
+      j["mass_target_met"] = any ? nlohmann::json(target_met) : nlohmann::json();
     }
     if (a.top_logprobs > 0) {
       auto& lists = j["top_logprobs"] = nlohmann::json::array();
@@ -204,8 +209,11 @@ int run(const RunArgs& a) {
     std::fflush(stdout);
     std::string budget = reads_budget ? fmt::format("{} tokens", a.budget) : std::string("all pages");
     if (adaptive)
-      budget = fmt::format("{} ({}: kept {:.0f} tokens per step on average, target met {:.1f}%)", budget,
-                           describe_budget_rule(sc.selector_opts.budget_rule), kept_mean, 100.0 * target_met);
+      budget =
+          r.decode.mass_target_tried == 0
+              ? fmt::format("{} ({}: no step selected)", budget, describe_budget_rule(sc.selector_opts.budget_rule))
+              : fmt::format("{} ({}: kept {:.0f} tokens per selection on average, target met {:.1f}%)", budget,
+                            describe_budget_rule(sc.selector_opts.budget_rule), kept_mean, 100.0 * target_met);
     // No decode step (-n 0 or 1 with no decode tail): no per-step figures to report.
     const std::string decode =
         r.decode.steps == 0 ? std::string("decode 0 steps")
@@ -272,6 +280,11 @@ Runner add_run(CLI::App& app) {
       app.add_option("--min-budget", a->min_budget, "with --budget-rule p= or cert=: tokens kept at least")
           ->transform(decimal_integer())
           ->check(CLI::Range(0, kMaxContextTokens));
+  CLI::Option* rank_bytes_opt =
+      app.add_option("--rank-bytes", a->rank_bytes,
+                     "LOCKS per-page ranks (<= -r) from each page's spectral tail, F times the fixed rank's summary "
+                     "bytes on average, F in (0, 1) (default: every page at -r)")
+          ->check(number_text());
   app.add_option("-n,--max-tokens", a->max_tokens, "tokens to generate")
       ->transform(decimal_integer())
       ->check(CLI::Range(0, 1 << 24))
@@ -323,7 +336,7 @@ Runner add_run(CLI::App& app) {
           ->transform(decimal_integer())
           ->check(CLI::Range(1, 1000));
   return [a, system_opt, logprobs_opt, prompt_opt, rank_opt, basis_opt, rule_opt, budget_opt, top_p_opt, seed_opt,
-          weights_opt, budget_rule_opt, min_budget_opt] {
+          weights_opt, budget_rule_opt, min_budget_opt, rank_bytes_opt] {
     a->prompt_given = prompt_opt->count() > 0;
     a->budget_given = budget_opt->count() > 0;
     a->top_p_given = top_p_opt->count() > 0;
@@ -332,6 +345,10 @@ Runner add_run(CLI::App& app) {
     a->basis_bits_given = basis_opt->count() > 0;
     a->group_rule_given = rule_opt->count() > 0;
     a->budget_rule_given = budget_rule_opt->count() > 0 || min_budget_opt->count() > 0;
+    a->rank_bytes_given = rank_bytes_opt->count() > 0;
+    if (a->rank_bytes_given && !(a->rank_bytes > 0 && a->rank_bytes < 1))
+      throw CLI::ValidationError("--rank-bytes",
+                                 fmt::format("{} is not a fraction strictly between 0 and 1", a->rank_bytes));
     try {
       if (parse_budget_rule(a->budget_rule).kind == BudgetRule::Kind::kFixed && min_budget_opt->count() > 0)
         throw CLI::ValidationError("--min-budget", "applies with --budget-rule p= or cert=");
