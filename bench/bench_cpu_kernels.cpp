@@ -32,15 +32,21 @@ void BM_SummaryBuild(benchmark::State& state) {
 }
 BENCHMARK(BM_SummaryBuild)->Arg(64)->Arg(128);
 
-// Eq. 4 over 4096 stored pages for a GQA group of G = 4 (the shipped int4/int8 format).
-void BM_ScorePages(benchmark::State& state) {
-  const int d = int(state.range(0)), G = 4, n_pages = 4096;
-  locks::SummaryFormat fmt;
+// n_pages random pages in the shipped format, stored with their keys.
+locks::PageSummaryStore random_store(int d, int n_pages) {
+  const locks::SummaryFormat fmt;
   locks::PageSummaryStore store(fmt, 1, 1, n_pages, 16, d);
   for (int p = 0; p < n_pages; ++p) {
     const auto keys = gaussian(size_t(16) * d, uint32_t(p + 2));
-    store.store(0, 0, p, locks::build_page_summary(keys.data(), 16, d, fmt.rank));
+    store.store(0, 0, p, locks::build_page_summary(keys.data(), 16, d, fmt.rank), keys.data());
   }
+  return store;
+}
+
+// Eq. 4 over 4096 stored pages for a GQA group of G = 4 (the shipped int4/int8 format).
+void BM_ScorePages(benchmark::State& state) {
+  const int d = int(state.range(0)), G = 4, n_pages = 4096;
+  const locks::PageSummaryStore store = random_store(d, n_pages);
   const auto q = gaussian(size_t(G) * d, 9);
   std::vector<float> out(G);
   for (auto _ : state)
@@ -65,12 +71,7 @@ void BM_ScorePass(benchmark::State& state) {
     return;
   }
   state.SetLabel(locks::score_kernel_name(kernel));
-  locks::SummaryFormat fmt;
-  locks::PageSummaryStore store(fmt, 1, 1, n_pages, 16, d);
-  for (int p = 0; p < n_pages; ++p) {
-    const auto keys = gaussian(size_t(16) * d, uint32_t(p + 2));
-    store.store(0, 0, p, locks::build_page_summary(keys.data(), 16, d, fmt.rank));
-  }
+  const locks::PageSummaryStore store = random_store(d, n_pages);
   const auto q = gaussian(size_t(G) * d, 9);
   std::vector<int32_t> pages(n_pages);
   std::iota(pages.begin(), pages.end(), 0);
@@ -102,12 +103,7 @@ BENCHMARK(BM_SelectTopPages);
 // extra work of `locks/cert=P` over the score pass.
 void BM_ErrorBounds(benchmark::State& state) {
   const int d = int(state.range(0)), G = 4, n_pages = 4096;
-  locks::SummaryFormat fmt;
-  locks::PageSummaryStore store(fmt, 1, 1, n_pages, 16, d);
-  for (int p = 0; p < n_pages; ++p) {
-    const auto keys = gaussian(size_t(16) * d, uint32_t(p + 2));
-    store.store(0, 0, p, locks::build_page_summary(keys.data(), 16, d, fmt.rank), keys.data());
-  }
+  const locks::PageSummaryStore store = random_store(d, n_pages);
   const auto q = gaussian(size_t(G) * d, 9);
   std::vector<int32_t> pages(n_pages);
   std::iota(pages.begin(), pages.end(), 0);

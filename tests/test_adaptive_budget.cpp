@@ -359,3 +359,30 @@ TEST(AdaptiveRank, RankRuleMeetsTheByteTargetOnModelPages) {
   EXPECT_GE(ranks_seen.size(), 3u);
   RecordProperty("mean_bytes_fraction", std::to_string(bytes / n / full));
 }
+
+// An adaptive rule decides even where the budget covers the whole sequence (the engine's dense
+// shortcut is for a fixed k), and a byte target below every page at rank 1 is refused.
+TEST(AdaptiveBudget, RuleDecidesWhenTheBudgetCoversTheSequence) {
+  const LlamaModel model = LlamaModel::load(test::source_path("models/locks-ref-a-q8_0.gguf"));
+  std::ifstream in(test::source_path("examples/haystack.txt"));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const auto ids = model.tokenizer.encode(ss.str().substr(0, 6000), true);
+  ASSERT_GT(ids.size(), 330u);
+  SessionConfig cfg;
+  cfg.n_ctx = 512;
+  cfg.selector = "locks";
+  cfg.budget_tokens = 512;  // every page of the 330-token sequence
+  cfg.selector_opts.budget_rule = {BudgetRule::Kind::kTopP, 0.5, 0};
+  Session s(model, cfg);
+  s.prefill(std::span<const int32_t>(ids.data(), 320));
+  for (int t = 320; t < 330; ++t) s.decode(ids[size_t(t)]);
+  const DecodeTotals& tot = s.totals();
+  EXPECT_EQ(tot.mass_target_tried, 10 * model.hp.n_layer * model.hp.n_head_kv);
+  EXPECT_LT(tot.bytes_read, tot.dense_bytes);
+  SelectorOptions o;
+  o.rank_bytes = 0.1;  // rank 1 alone takes more than a tenth of the rank-8 bytes
+  EXPECT_THROW(make_selector("locks", KvCacheConfig{1, 1, 64, 16, 4, KvDtype::F32}, o), std::invalid_argument);
+  o.summary.rank = 9;  // above head_dim 8
+  EXPECT_THROW(o.summary.validate(16, 8), std::invalid_argument);
+}

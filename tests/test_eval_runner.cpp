@@ -20,6 +20,7 @@
 #include "locks/svg_plot.h"
 #include "locks/text_corpus.h"
 #include "test_paths.h"
+#include "test_util.h"
 
 namespace {
 
@@ -187,6 +188,18 @@ TEST(EvalRunner, AdaptiveRowsTailsAndTheReportReadBack) {
   EXPECT_EQ(body(slurp(std::filesystem::path(again.out_dir) / "summary.md")),
             body(slurp(std::filesystem::path(cfg.out_dir) / "summary.md")));
   EXPECT_THROW(read_eval_rows({cfg.model_path}), std::runtime_error);
+  // A row given twice (the same file twice) is refused; CRLF endings and a BOM are not; NaN text is.
+  const std::string csv = (std::filesystem::path(cfg.out_dir) / "results.csv").string();
+  EXPECT_NE(test::error_of<std::runtime_error>([&] { read_eval_rows({csv, csv}); }).find("already"), std::string::npos);
+  std::string text = slurp(csv), crlf = "\xEF\xBB\xBF";
+  for (char ch : text) crlf += ch == '\n' ? std::string("\r\n") : std::string(1, ch);
+  const std::string dos = (std::filesystem::path(cfg.out_dir) / "dos.csv").string();
+  locks::write_text_file(dos, crlf);
+  EXPECT_EQ(read_eval_rows({dos}).size(), rows.size());
+  const size_t comma = text.find(',', text.find('\n') + 1);
+  locks::write_text_file(dos, text.substr(0, comma) + ",nan" + text.substr(text.find(',', comma + 1)));
+  EXPECT_NE(test::error_of<std::runtime_error>([&] { read_eval_rows({dos}); }).find("not a finite number"),
+            std::string::npos);
 }
 
 }  // namespace
@@ -222,7 +235,14 @@ TEST(EvalReport, RemoveEvalReportTakesExactlyWhatTheReportWrites) {
     tails[512].pages.push_back(p);
     tails[512].context.push_back(0);
   }
-  locks::write_eval_plots(cfg, {}, {}, {}, tails);
+  std::vector<locks::EvalRow> rows;  // one per (family, length): a plot is drawn only where rows are
+  for (const auto& fam : cfg.families)
+    for (int len : cfg.lengths) {
+      locks::EvalRow r;
+      r.family = fam, r.length = len, r.selector = "locks", r.budget = 32;
+      rows.push_back(r);
+    }
+  locks::write_eval_plots(cfg, rows, {}, {}, tails);
   const int plots = count_svgs(dir);
   ASSERT_GE(plots, 7);  // accuracy per (family, length) + carrier retention per length + the tail finding
   EXPECT_TRUE(fs::exists(dir / "tail_512.svg"));

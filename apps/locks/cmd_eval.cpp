@@ -40,7 +40,8 @@ Runner add_eval(CLI::App& app) {
   app.add_option(
          "--selectors", c->selectors,
          "selectors, each NAME or NAME/key=value/... (keys: r, basis, coef, centroid, rule, rho; for locks's "
-         "adaptive budget p or cert, min, max), e.g. locks/r=4, locks/basis=2, locks/rule=max, "
+         "adaptive budget p or cert, min, max, and per-page ranks bytes), e.g. locks/r=4, locks/basis=2, "
+         "locks/rule=max, "
          "sequence-basis/rho=8 (rho=0: the rank whose bytes match LOCKS's), locks/p=0.5/max=1024 (the fewest "
          "top pages whose estimated group share reaches 0.5, at most 1024 tokens); names: " +
              [] {
@@ -53,8 +54,8 @@ Runner add_eval(CLI::App& app) {
       ->capture_default_str();
   auto device = std::make_shared<std::string>("cpu");
   app.add_option("--device", *device,
-                 "cpu, or cuda: the model on the GPU (selectors full, locks, oracle; no fidelity chain or locality "
-                 "finding)")
+                 "cpu, or cuda: the model on the GPU (selectors full, locks, oracle in the shipped format with a fixed "
+                 "budget; no fidelity chain, locality or tail finding)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
   app.add_flag("!--no-fidelity", c->fidelity, "skip the per-step fidelity chain (faster)");
@@ -85,13 +86,14 @@ Runner add_eval(CLI::App& app) {
       ->capture_default_str();
   app.add_option("--out", c->out_dir,
                  "output directory: results.csv, summary.md, locality.csv and SVG plots (a reused directory first "
-                 "loses the previous run's summary.md, locality.csv and plots: accuracy_vs_budget_*, "
-                 "carrier_retention_vs_budget_*, error_ladder_*, locality_*.svg)")
+                 "loses the previous run's summary.md, locality.csv, tails.csv and plots: accuracy_vs_budget_*, "
+                 "accuracy_vs_bytes_*, carrier_retention_vs_budget_*, error_ladder_*, locality_*, tail_*.svg)")
       ->check(non_empty_path())
       ->capture_default_str();
   app.add_option("--from-csv", c->from_csv,
-                 "report rows of earlier runs instead of running: results.csv files (comma-separated; their rows "
-                 "concatenated) into --out's summary.md, results.csv and plots")
+                 "report rows of earlier runs of one model instead of running: results.csv files (comma-separated; "
+                 "their rows concatenated, a row twice refused) into --out's summary.md, results.csv and plots "
+                 "(no locality or tail finding; the options of a run are not read)")
       ->delimiter(',')
       ->check(CLI::ExistingFile);
   app.add_option("--threads", *threads, "CPU threads (default: all cores)")
@@ -178,7 +180,8 @@ Runner add_eval(CLI::App& app) {
     }
     diag("\n");
     fmt::print("{}", eval_summary_markdown(cfg, rows));
-    diag("[eval] wrote results.csv, summary.md, locality.csv and the plots to {}\n", cfg.out_dir);
+    diag("[eval] wrote results.csv, summary.md, locality.csv{} and the plots to {}\n",
+         cfg.tail_contexts > 0 ? ", tails.csv" : "", cfg.out_dir);
     return 0;
   };
 }

@@ -355,6 +355,10 @@ Runner add_run(CLI::App& app) {
     } catch (const std::invalid_argument& e) {
       throw CLI::ValidationError("--budget-rule", e.what());
     }
+    if (parse_budget_rule(a->budget_rule).kind != BudgetRule::Kind::kFixed && a->group_rule != "share-average")
+      throw CLI::ValidationError("--group-rule",
+                                 "--budget-rule p= and cert= reach a share-average group share (Eq. 5): "
+                                 "the group rule must be share-average");
     if (a->min_budget > a->budget)
       throw CLI::ValidationError("--min-budget", fmt::format("{} is above the budget {}", a->min_budget, a->budget));
     if (system_opt->count() > 0 && !a->chat) throw CLI::ValidationError("--system", "applies with --chat");

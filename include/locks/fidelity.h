@@ -83,5 +83,9 @@ class FidelityProbe final : public DecodeObserver {
 /// Spearman rank correlation of two equal-length samples (average ranks for ties); NaN when either
 /// is constant or n < 2.
 double spearman_correlation(std::span<const float> a, std::span<const float> b);
+/// Ranks 0..n-1 of x ascending, tied values given their mean rank (Spearman's ranks).
+std::vector<double> average_ranks(std::span<const double> x);
+/// Pearson correlation of two equal-length samples; NaN when either is constant or n < 2.
+double pearson_correlation(std::span<const double> a, std::span<const double> b);
 
 }  // namespace locks

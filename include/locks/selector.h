@@ -42,6 +42,10 @@ std::string describe_budget_rule(const BudgetRule& r);
 /// "fixed", "p=P" or "cert=P" (P a decimal number strictly between 0 and 1), min_tokens 0. Throws
 /// std::invalid_argument naming the bad text.
 BudgetRule parse_budget_rule(const std::string& s);
+/// `value`, the text of option `key`, as a number strictly between 0 and 1 (a `what`: "share",
+/// "fraction"). Throws std::invalid_argument: "KEY='VALUE' is not a number" or "KEY=VALUE is not a
+/// WHAT strictly between 0 and 1".
+double parse_unit_fraction(const std::string& key, const std::string& value, const char* what);
 
 /// What a selector is made from; each selector reads some of it (selector_inputs).
 struct SelectorOptions {
@@ -134,6 +138,9 @@ class Selector {
   /// A selector may do here work that its first select() would otherwise do, where doing it now
   /// gives the same result (Session::prepare_selector, so that forks share it).
   virtual void prepare_for_decode(const PagedKvCache& cache, const KvSequence& seq) {}
+  /// Whether select() chooses how many pages to keep (an adaptive BudgetRule): the engine then asks
+  /// it even when the budget covers every page, instead of attending densely.
+  virtual bool adaptive_budget() const { return false; }
   /// The cache layout this selector's per-page data is sized for (make_selector sets it): the
   /// entry points above then refuse, with std::invalid_argument, a cache of any other layout.
   void bind_cache(const KvCacheConfig& cfg) {

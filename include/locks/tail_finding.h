@@ -2,7 +2,7 @@
 // error |s_hat_j(q) - s_j(q)| of Eq. 4 on the stored (quantized) summary of every full page, per
 // (layer, KV head, page), beside what is known of the page when its summary is built:
 //   norm_range  max_i ||k_i|| / min_i ||k_i||   (key-norm dynamic range; +inf for a zero key)
-//   gap         sigma_r / sigma_{r+1}           (spectral gap at the summary's rank; capped at 1e6)
+//   gap         sigma_r / sigma_{r+1}           (spectral gap at the summary's rank; NaN without sigma_{r+1})
 //   tail_frac   tau_{j,r} / sum_k sigma_k^2      (energy the rank-r basis leaves out; 0 for no energy)
 //   resid       max_i ||k_i - k_hat_i||          (the stored form's own residual, the certified bound's)
 //   position    page index / (pages - 1)
@@ -65,7 +65,8 @@ struct TailSummary {
   std::array<double, 10> decile_err{};
   std::array<std::array<double, kTailProperties>, 10> decile_property_pct{};
   /// Per property: mean over (context, layer, KV head) groups of the Spearman correlation with the
-  /// error, and of the precision at the top decile.
+  /// error, and of the precision at the top decile (over the groups where the property is defined on
+  /// every page; NaN where it is nowhere). Empty deciles and undefined means are NaN.
   std::array<double, kTailProperties> spearman{}, precision_top10{};
 };
 

@@ -42,6 +42,8 @@ void SummaryFormat::validate(int page_size, int head_dim) const {
     throw std::invalid_argument(fmt::format("head_dim {} must be a multiple of 8 in [8, {}]", head_dim, kMaxHeadDim));
   if (rank < 1 || rank > page_size)
     throw std::invalid_argument(fmt::format("summary rank {} outside [1, page size {}]", rank, page_size));
+  if (rank > head_dim)  // a page's keys span at most head_dim directions
+    throw std::invalid_argument(fmt::format("summary rank {} above head_dim {}", rank, head_dim));
   if (!valid_bits(basis_bits, true))
     throw std::invalid_argument(fmt::format("basis precision {} bits: expected 32, 16, 8, 4 or 2", basis_bits));
   if (!valid_bits(coef_bits, false))

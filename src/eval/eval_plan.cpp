@@ -89,18 +89,11 @@ SelectorSpec parse_selector_spec(const std::string& spec, const SummaryFormat& b
         }
         s.opts.budget_rule.min_tokens = min_tokens;
       } else if (k == "bytes") {
-        double x = 0;
         try {
-          size_t used = 0;
-          x = std::stod(v, &used);
-          if (used != v.size()) throw std::invalid_argument("trailing");
-        } catch (const std::exception&) {
-          throw std::invalid_argument(fmt::format("selector '{}': bytes='{}' is not a number", spec, v));
+          s.opts.rank_bytes = parse_unit_fraction(k, v, "fraction");
+        } catch (const std::invalid_argument& e) {
+          throw std::invalid_argument(fmt::format("selector '{}': {}", spec, e.what()));
         }
-        if (!(x > 0 && x < 1))
-          throw std::invalid_argument(
-              fmt::format("selector '{}': bytes={} is not a fraction strictly between 0 and 1", spec, v));
-        s.opts.rank_bytes = x;
       } else if (k == "min") {
         s.opts.budget_rule.min_tokens = as_int();
         if (s.opts.budget_rule.min_tokens < 0)
@@ -161,6 +154,11 @@ void check_eval_config(const EvalConfig& cfg) {
       std::none_of(cfg.selectors.begin(), cfg.selectors.end(), [](const std::string& x) { return x == "full"; }))
     throw std::invalid_argument(
         "tail contexts: the tail finding rides on full attention's decode steps: add selector full");
+  if (cfg.tail_contexts > 0 &&
+      std::all_of(cfg.families.begin(), cfg.families.end(), [](const std::string& f) { return f == "continuation"; }))
+    throw std::invalid_argument(
+        "tail contexts: the tail finding measures the retrieval tasks' decode steps: add single, multikey or "
+        "multiquery");
   if (cfg.continuation_tokens < 1) throw std::invalid_argument("continuation tokens must be >= 1");
   for (int len : cfg.lengths) {
     if (len < 256 || len > kMaxContextTokens)

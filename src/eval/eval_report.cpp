@@ -47,6 +47,25 @@ enum Plot { kAccuracy, kCarrier, kLadder, kLocality, kBytes, kTail };
 constexpr std::array<const char*, 6> kPlotPrefixes = {
     "accuracy_vs_budget_", "carrier_retention_vs_budget_", "error_ladder_", "locality_", "accuracy_vs_bytes_", "tail_"};
 
+// The budgets the tables and plots have columns for: --budgets and each adaptive spec's max=.
+EvalConfig with_spec_budgets(EvalConfig cfg) {
+  for (const auto& label : cfg.selectors) {
+    int max_tokens = 0;
+    try {
+      max_tokens = parse_selector_spec(label, cfg.summary).max_tokens;
+    } catch (const std::invalid_argument&) {  // a label of rows read back: no spec to add
+    }
+    if (max_tokens > 0 && std::find(cfg.budgets.begin(), cfg.budgets.end(), max_tokens) == cfg.budgets.end())
+      cfg.budgets.push_back(max_tokens);
+  }
+  std::sort(cfg.budgets.begin(), cfg.budgets.end());
+  return cfg;
+}
+
+bool has_rows(const std::vector<EvalRow>& rows, const std::string& fam, int len) {
+  return std::any_of(rows.begin(), rows.end(), [&](const EvalRow& r) { return r.family == fam && r.length == len; });
+}
+
 // One (selector, budget) over the retrieval families of a length: accuracy and the means of the
 // per-row efficiency columns; each budget a selector ran at, in order (a budget-free one once).
 struct BudgetPoint {
@@ -143,13 +162,13 @@ std::string tail_markdown(int len, const TailPages& t) {
   for (size_t k = 0; k < names.size(); ++k) out += "---|";
   out += "\n";
   for (size_t dc = 0; dc < 10; ++dc) {
-    out += fmt::format("| {} | {:.4f} |", dc + 1, ts.decile_err[dc]);
-    for (double v : ts.decile_property_pct[dc]) out += fmt::format(" {:.3f} |", v);
+    out += fmt::format("| {} | {} |", dc + 1, num(ts.decile_err[dc], 4));
+    for (double v : ts.decile_property_pct[dc]) out += fmt::format(" {} |", num(v));
     out += "\n";
   }
   out += "\n| predictor | Spearman with the error | precision at the top decile (chance 0.100) |\n|---|---|---|\n";
   for (size_t k = 0; k < names.size(); ++k)
-    out += fmt::format("| {} | {:.3f} | {:.3f} |\n", names[k], ts.spearman[k], ts.precision_top10[k]);
+    out += fmt::format("| {} | {} | {} |\n", names[k], num(ts.spearman[k]), num(ts.precision_top10[k]));
   return out + "\n";
 }
 
@@ -162,7 +181,7 @@ void write_tails_csv(const std::string& dir, const std::map<int, TailPages>& tai
       const TailPage& p = t.pages[i];
       csv += fmt::format("{},{},{},{},{},{},{:.6g},{:.6g}", len, t.context[i], p.layer, p.kv_head, p.page, p.queries,
                          p.err_mean, p.err_max);
-      for (double v : tail_properties(p)) csv += fmt::format(",{:.6g}", v);
+      for (double v : tail_properties(p)) csv += fmt::format(",{}", csv_num(v));
       csv += "\n";
     }
   write_text_file(dir + "/tails.csv", csv);
@@ -190,7 +209,8 @@ void finish_eval_report(const EvalConfig& cfg, ResultsCsv& csv, const std::vecto
   write_eval_plots(cfg, rows, locality, loc_ranks, tails);
 }
 
-std::string eval_summary_markdown(const EvalConfig& cfg, const std::vector<EvalRow>& rows) {
+std::string eval_summary_markdown(const EvalConfig& given, const std::vector<EvalRow>& rows) {
+  const EvalConfig cfg = with_spec_budgets(given);
   std::string out =
       cfg.from_csv.empty()
           ? fmt::format(
@@ -201,6 +221,7 @@ std::string eval_summary_markdown(const EvalConfig& cfg, const std::vector<EvalR
                         fmt::join(cfg.from_csv, "`, `"), cfg.contexts);
   for (int len : cfg.lengths) {
     for (const auto& fam : cfg.families) {
+      if (!has_rows(rows, fam, len)) continue;  // rows read back of several runs: not every pair ran
       const bool retr = is_retrieval(fam);
       out +=
           retr ? fmt::format("## {} @ {} tokens — accuracy (correct / contexts) and read ratio vs dense\n\n", fam, len)
@@ -308,19 +329,30 @@ std::vector<EvalRow> read_eval_rows(const std::vector<std::string>& paths) {
   const std::vector<std::string> header = split(kCsvHeader);
   const size_t n_old = header.size() - 4;  // before budget_mean, budget_p50, budget_p95, mass_target_met
   std::vector<EvalRow> rows;
+  std::map<std::tuple<std::string, int, int, std::string, int>, std::string> seen;  // row key -> where
   for (const std::string& path : paths) {
-    std::ifstream in(path);
+    if (std::error_code ec; !std::filesystem::is_regular_file(path, ec))
+      throw std::runtime_error(fmt::format("'{}' is not a results.csv file", path));
+    std::ifstream in(path, std::ios::binary);
     if (!in) throw std::runtime_error(fmt::format("cannot read '{}'", path));
     std::string line;
-    std::getline(in, line);
+    // Lines as a spreadsheet may have saved them: a UTF-8 BOM, CRLF endings.
+    const auto next = [&] {
+      if (!std::getline(in, line)) return false;
+      if (!line.empty() && line.back() == '\r') line.pop_back();
+      return true;
+    };
+    next();
+    if (line.rfind("\xEF\xBB\xBF", 0) == 0) line.erase(0, 3);
     const std::vector<std::string> got = split(line);
     if (!(got == header || (got.size() == n_old && std::equal(got.begin(), got.end(), header.begin()))))
       throw std::runtime_error(fmt::format("'{}': line 1 is not the header of locks eval's results.csv", path));
-    for (int ln = 2; std::getline(in, line); ++ln) {
+    for (int ln = 2; next(); ++ln) {
       if (line.empty()) continue;
       const std::vector<std::string> f = split(line);
       try {
-        if (f.size() != got.size()) throw std::invalid_argument(fmt::format("{} fields", f.size()));
+        if (f.size() != got.size())
+          throw std::invalid_argument(fmt::format("{} fields, expected {}", f.size(), got.size()));
         size_t i = 0;
         const auto str = [&] { return f[i++]; };
         const auto num = [&] {
@@ -333,15 +365,15 @@ std::vector<EvalRow> read_eval_rows(const std::vector<std::string>& paths) {
           } catch (const std::exception&) {
             used = 0;
           }
-          if (used != v.size() || used == 0)
-            throw std::invalid_argument(fmt::format("column {}: '{}' is not a number", header[i - 1], v));
+          if (used != v.size() || used == 0 || !std::isfinite(x))
+            throw std::invalid_argument(fmt::format("column {}: '{}' is not a finite number", header[i - 1], v));
           return x;
         };
         const auto integer = [&](double lo, double hi) {
           const double x = num();
           if (!(x >= lo && x <= hi && x == std::floor(x)))
             throw std::invalid_argument(
-                fmt::format("column {}: '{}' is not an integer in [{:g}, {:g}]", header[i - 1], f[i - 1], lo, hi));
+                fmt::format("column {}: '{}' is not an integer in [{:.0f}, {:.0f}]", header[i - 1], f[i - 1], lo, hi));
           return x;
         };
         constexpr double kInt = 2147483647.0;
@@ -372,6 +404,11 @@ std::vector<EvalRow> read_eval_rows(const std::vector<std::string>& paths) {
         r.budget_mean = r.budget_p50 = r.budget_p95 = r.mass_target_met = kNaN;
         if (f.size() == header.size())
           for (double* v : {&r.budget_mean, &r.budget_p50, &r.budget_p95, &r.mass_target_met}) *v = num();
+        const auto key = std::make_tuple(r.family, r.length, r.context, r.selector, r.budget);
+        const std::string where = fmt::format("'{}', line {}", path, ln);
+        if (const auto [it, fresh] = seen.emplace(key, where); !fresh)
+          throw std::invalid_argument(fmt::format("the row of ({}, {}, context {}, {}, budget {}) is at {} already",
+                                                  r.family, r.length, r.context, r.selector, r.budget, it->second));
         rows.push_back(r);
       } catch (const std::exception& e) {
         throw std::runtime_error(fmt::format("'{}', line {}: {}", path, ln, e.what()));
@@ -428,9 +465,10 @@ int remove_eval_report(const std::string& out_dir) {
   return removed;
 }
 
-void write_eval_plots(const EvalConfig& cfg, const std::vector<EvalRow>& rows,
+void write_eval_plots(const EvalConfig& given, const std::vector<EvalRow>& rows,
                       const std::map<int, std::vector<LocalityResult>>& locality, const std::vector<int>& loc_ranks,
                       const std::map<int, TailPages>& tails) {
+  const EvalConfig cfg = with_spec_budgets(given);
   for (const auto& [len, t] : tails) {
     if (t.pages.empty()) continue;
     const TailSummary ts = summarize_tails(t.pages, t.context);
@@ -448,6 +486,7 @@ void write_eval_plots(const EvalConfig& cfg, const std::vector<EvalRow>& rows,
   std::vector<double> xs(cfg.budgets.begin(), cfg.budgets.end());
   for (int len : cfg.lengths) {
     for (const auto& fam : cfg.families) {
+      if (!has_rows(rows, fam, len)) continue;
       std::vector<PlotSeries> series;
       for (const auto& sel : cfg.selectors) {
         PlotSeries s{sel, xs, {}};

@@ -255,6 +255,7 @@ void run_needle_context(EvalRun& run, int len, NeedleFamily fam, int c) {
   for (const auto& r : prefix_rows) run.add(r);
   for (const auto& j : jobs) {
     run.add(j.row);
+    if (j.tails.empty()) continue;
     TailPages& t = run.tails[len];
     t.pages.insert(t.pages.end(), j.tails.begin(), j.tails.end());
     t.context.insert(t.context.end(), j.tails.size(), c);

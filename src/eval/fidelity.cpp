@@ -13,37 +13,41 @@ namespace locks {
 
 namespace {
 
-std::vector<double> ranks(std::span<const float> x) {
-  std::vector<int> idx(x.size());
+double nan_div(double a, double b) { return b > 0 ? a / b : std::numeric_limits<double>::quiet_NaN(); }
+
+}  // namespace
+
+std::vector<double> average_ranks(std::span<const double> x) {
+  std::vector<size_t> idx(x.size());
   std::iota(idx.begin(), idx.end(), 0);
-  std::sort(idx.begin(), idx.end(), [&](int a, int b) { return x[a] < x[b]; });
+  std::sort(idx.begin(), idx.end(), [&](size_t a, size_t b) { return x[a] < x[b]; });
   std::vector<double> r(x.size());
   for (size_t i = 0; i < idx.size();) {
     size_t j = i;
     while (j + 1 < idx.size() && x[idx[j + 1]] == x[idx[i]]) ++j;
-    const double avg = 0.5 * double(i + j);
-    for (size_t t = i; t <= j; ++t) r[idx[t]] = avg;
+    for (size_t t = i; t <= j; ++t) r[idx[t]] = 0.5 * double(i + j);
     i = j + 1;
   }
   return r;
 }
 
-double nan_div(double a, double b) { return b > 0 ? a / b : std::numeric_limits<double>::quiet_NaN(); }
-
-}  // namespace
-
-double spearman_correlation(std::span<const float> a, std::span<const float> b) {
+double pearson_correlation(std::span<const double> a, std::span<const double> b) {
   const size_t n = a.size();
   if (n < 2 || b.size() != n) return std::numeric_limits<double>::quiet_NaN();
-  const auto ra = ranks(a), rb = ranks(b);
-  const double ma = std::accumulate(ra.begin(), ra.end(), 0.0) / n, mb = std::accumulate(rb.begin(), rb.end(), 0.0) / n;
+  const double ma = std::accumulate(a.begin(), a.end(), 0.0) / n, mb = std::accumulate(b.begin(), b.end(), 0.0) / n;
   double sab = 0, saa = 0, sbb = 0;
   for (size_t i = 0; i < n; ++i) {
-    sab += (ra[i] - ma) * (rb[i] - mb);
-    saa += (ra[i] - ma) * (ra[i] - ma);
-    sbb += (rb[i] - mb) * (rb[i] - mb);
+    sab += (a[i] - ma) * (b[i] - mb);
+    saa += (a[i] - ma) * (a[i] - ma);
+    sbb += (b[i] - mb) * (b[i] - mb);
   }
   return saa > 0 && sbb > 0 ? sab / std::sqrt(saa * sbb) : std::numeric_limits<double>::quiet_NaN();
+}
+
+double spearman_correlation(std::span<const float> a, std::span<const float> b) {
+  if (a.size() < 2 || b.size() != a.size()) return std::numeric_limits<double>::quiet_NaN();
+  const std::vector<double> da(a.begin(), a.end()), db(b.begin(), b.end());
+  return pearson_correlation(average_ranks(da), average_ranks(db));
 }
 
 void FidelityStats::add(const FidelityStats& o) {

@@ -6,10 +6,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <stdexcept>
 #include <tuple>
+
+#include "locks/fidelity.h"
 
 namespace locks {
 
@@ -51,7 +54,8 @@ TailProbe::TailProbe(const PagedKvCache& cache, const KvSequence& seq, const Sum
     p.norm_range = n_min > 0 ? n_max / n_min : INFINITY;
     const double energy = std::accumulate(s.sigma2.begin(), s.sigma2.end(), 0.0);
     const double above = r < int(s.sigma2.size()) ? s.sigma2[size_t(r)] : 0.0, at = s.sigma2[size_t(r - 1)];
-    p.gap = above > 0 ? std::min(1e6, std::sqrt(at / above)) : 1e6;
+    // No (r+1)-th direction with energy (rank >= the page's): the gap is undefined, not large.
+    p.gap = above > 0 ? std::sqrt(at / above) : std::numeric_limits<double>::quiet_NaN();
     p.tail_frac = energy > 0 ? s.tail / energy : 0.0;
     // The residual the store recorded (its bound term), recomputed here in float64 for the report.
     const PageSummaryF32 st = store_.load(il, h, page_ids_[size_t(j)]);
@@ -96,34 +100,6 @@ std::vector<TailPage> TailProbe::pages() const {
   return out;
 }
 
-namespace {
-
-// Ranks 0..n-1 of v ascending, ties given their mean rank.
-std::vector<double> ranks_of(const std::vector<double>& v) {
-  std::vector<size_t> idx(v.size());
-  std::iota(idx.begin(), idx.end(), 0);
-  std::sort(idx.begin(), idx.end(), [&](size_t a, size_t b) { return v[a] < v[b]; });
-  std::vector<double> r(v.size());
-  for (size_t i = 0; i < idx.size();) {
-    size_t k = i;
-    while (k + 1 < idx.size() && v[idx[k + 1]] == v[idx[i]]) ++k;
-    for (size_t m = i; m <= k; ++m) r[idx[m]] = 0.5 * double(i + k);
-    i = k + 1;
-  }
-  return r;
-}
-
-double pearson(const std::vector<double>& a, const std::vector<double>& b) {
-  const double n = double(a.size());
-  const double ma = std::accumulate(a.begin(), a.end(), 0.0) / n, mb = std::accumulate(b.begin(), b.end(), 0.0) / n;
-  double sab = 0, saa = 0, sbb = 0;
-  for (size_t i = 0; i < a.size(); ++i)
-    sab += (a[i] - ma) * (b[i] - mb), saa += (a[i] - ma) * (a[i] - ma), sbb += (b[i] - mb) * (b[i] - mb);
-  return saa > 0 && sbb > 0 ? sab / std::sqrt(saa * sbb) : 0.0;
-}
-
-}  // namespace
-
 TailSummary summarize_tails(const std::vector<TailPage>& pages, const std::vector<int>& group_of) {
   if (pages.empty() || pages.size() != group_of.size())
     throw std::invalid_argument(
@@ -141,20 +117,23 @@ TailSummary summarize_tails(const std::vector<TailPage>& pages, const std::vecto
   std::map<std::tuple<int, int, int>, std::vector<size_t>> groups;
   for (size_t i = 0; i < pages.size(); ++i) groups[{group_of[i], pages[i].layer, pages[i].kv_head}].push_back(i);
   std::array<double, 10> decile_n{};
-  int n_groups = 0;
+  std::array<std::array<double, kTailProperties>, 10> decile_prop_n{};
+  std::array<int, kTailProperties> n_groups{};  // per property: groups where it is defined on every page
   for (const auto& [key, idx] : groups) {
     const size_t n = idx.size();
     if (n < 10) continue;  // too few pages for deciles
-    ++n_groups;
     std::vector<double> e(n);
     for (size_t i = 0; i < n; ++i) e[i] = pages[idx[i]].err_mean;
-    const std::vector<double> re = ranks_of(e);
+    const std::vector<double> re = average_ranks(e);
     std::array<std::vector<double>, kTailProperties> rp;
     for (int k = 0; k < kTailProperties; ++k) {
       std::vector<double> v(n);
       for (size_t i = 0; i < n; ++i) v[i] = tail_properties(pages[idx[i]])[size_t(k)];
-      rp[size_t(k)] = ranks_of(v);
-      s.spearman[size_t(k)] += pearson(re, rp[size_t(k)]);
+      if (std::any_of(v.begin(), v.end(), [](double x) { return std::isnan(x); })) continue;
+      ++n_groups[size_t(k)];
+      rp[size_t(k)] = average_ranks(v);
+      const double rho = pearson_correlation(re, rp[size_t(k)]);
+      s.spearman[size_t(k)] += std::isnan(rho) ? 0.0 : rho;  // a constant property: no relation
       // Precision at the top decile: the property's top 10% against the error's top 10%.
       const double cut = double(n) - double(n) / 10.0;
       int hit = 0, top = 0;
@@ -167,17 +146,21 @@ TailSummary summarize_tails(const std::vector<TailPage>& pages, const std::vecto
       decile_n[size_t(dec)] += 1;
       s.decile_err[size_t(dec)] += e[i];
       for (int k = 0; k < kTailProperties; ++k)
-        s.decile_property_pct[size_t(dec)][size_t(k)] += rp[size_t(k)][i] / double(n - 1);
+        if (!rp[size_t(k)].empty()) {
+          s.decile_property_pct[size_t(dec)][size_t(k)] += rp[size_t(k)][i] / double(n - 1);
+          decile_prop_n[size_t(dec)][size_t(k)] += 1;
+        }
     }
   }
-  for (int k = 0; k < kTailProperties; ++k) {
-    s.spearman[size_t(k)] /= std::max(n_groups, 1);
-    s.precision_top10[size_t(k)] /= std::max(n_groups, 1);
+  constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+  for (size_t k = 0; k < size_t(kTailProperties); ++k) {
+    s.spearman[k] = n_groups[k] ? s.spearman[k] / n_groups[k] : kNaN;
+    s.precision_top10[k] = n_groups[k] ? s.precision_top10[k] / n_groups[k] : kNaN;
   }
   for (size_t dc = 0; dc < 10; ++dc) {
-    if (decile_n[dc] == 0) continue;
-    s.decile_err[dc] /= decile_n[dc];
-    for (auto& v : s.decile_property_pct[dc]) v /= decile_n[dc];
+    s.decile_err[dc] = decile_n[dc] ? s.decile_err[dc] / decile_n[dc] : kNaN;
+    for (size_t k = 0; k < size_t(kTailProperties); ++k)
+      s.decile_property_pct[dc][k] = decile_prop_n[dc][k] ? s.decile_property_pct[dc][k] / decile_prop_n[dc][k] : kNaN;
   }
   return s;
 }

@@ -222,7 +222,7 @@ void CpuForward::attention(int il) {
     req.seq = &seq_;
     req.budget_pages = budget_pages_;
     req.want_estimates = observed;
-    if (seq_.n_pages() <= budget_pages_) {
+    if (seq_.n_pages() <= budget_pages_ && !selector_->adaptive_budget()) {
       // The budget covers every page: attention is dense, nothing to score or read twice.
       sel[h].pages.resize(seq_.n_pages());
       for (int32_t j = 0; j < seq_.n_pages(); ++j) sel[h].pages[j] = j;

@@ -24,6 +24,11 @@ LocksSelector::LocksSelector(const KvCacheConfig& cfg, const SummaryFormat& fmt,
       tail_profiles_(size_t(cfg.n_layer) * cfg.n_head_kv) {
   if (rank_bytes != 0 && !(rank_bytes > 0 && rank_bytes < 1))
     throw std::invalid_argument(fmt::format("locks: rank bytes {} outside (0, 1)", rank_bytes));
+  if (const double floor = double(store_.bytes_at_rank(1)) / double(store_.summary_bytes());
+      rank_bytes > 0 && rank_bytes < floor)
+    throw std::invalid_argument(
+        fmt::format("locks: bytes={:g} is below what every page at rank 1 takes ({:.3f} of the rank-{} format's bytes)",
+                    rank_bytes, floor, fmt.rank));
   if (budget_rule.kind == BudgetRule::Kind::kFixed) return;
   if (!(budget_rule.mass > 0 && budget_rule.mass < 1))
     throw std::invalid_argument(fmt::format("locks: target share {} outside (0, 1)", budget_rule.mass));

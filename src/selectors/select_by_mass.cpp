@@ -30,17 +30,22 @@ BudgetRule parse_budget_rule(const std::string& s) {
   const std::string k = s.substr(0, eq), v = eq == std::string::npos ? "" : s.substr(eq + 1);
   if (eq == std::string::npos || (k != "p" && k != "cert"))
     throw std::invalid_argument(fmt::format("budget rule '{}': expected fixed, p=P or cert=P", s));
+  return {k == "p" ? BudgetRule::Kind::kTopP : BudgetRule::Kind::kCertified, parse_unit_fraction(k, v, "share"), 0};
+}
+
+double parse_unit_fraction(const std::string& key, const std::string& value, const char* what) {
   double x = 0;
+  size_t used = 0;
   try {
-    size_t used = 0;
-    x = std::stod(v, &used);
-    if (used != v.size()) throw std::invalid_argument("trailing");
+    x = std::stod(value, &used);
   } catch (const std::exception&) {
-    throw std::invalid_argument(fmt::format("{}='{}' is not a number", k, v));
+    used = 0;  // no number, or out of double's range
   }
+  if (used == 0 || used != value.size())
+    throw std::invalid_argument(fmt::format("{}='{}' is not a number", key, value));
   if (!(x > 0 && x < 1))
-    throw std::invalid_argument(fmt::format("{}={} is not a share strictly between 0 and 1", k, v));
-  return {k == "p" ? BudgetRule::Kind::kTopP : BudgetRule::Kind::kCertified, x, 0};
+    throw std::invalid_argument(fmt::format("{}={} is not a {} strictly between 0 and 1", key, value, what));
+  return x;
 }
 
 namespace {

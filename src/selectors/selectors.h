@@ -41,6 +41,7 @@ class LocksSelector final : public Selector {
   void do_select(const PagedKvCache& cache, const SelectionRequest& req, Selection& out) override;
   std::unique_ptr<Selector> clone() const override { return std::make_unique<LocksSelector>(*this); }
   bool reconstruct_keys(int il, int kv_head, int32_t page, float* out) const override;
+  bool adaptive_budget() const override { return budget_rule_.kind != BudgetRule::Kind::kFixed; }
   const PageSummaryStore& store() const { return store_; }
 
  private:
